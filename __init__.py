@@ -1,0 +1,19 @@
+"""rlpipe: PPO for language models from a reward signal, as a pipeline of pluggable TensorDict stages.
+
+>>> from rlpipe import load_config, train            # doctest: +SKIP
+>>> run_dir = train(load_config("examples/tiny/config.yaml"))  # doctest: +SKIP
+"""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):  # lazy: `import rlpipe` stays cheap (no torch import) for the CLI's --help
+    if name in ("load_config", "Config"):
+        from rlpipe.core import config
+
+        return getattr(config, name)
+    if name in ("train", "Pipeline"):
+        from rlpipe.core import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'rlpipe' has no attribute {name!r}")
