@@ -1,0 +1,90 @@
+"""The ``rlpipe`` command line: run, config, plugins.
+
+A user mistake (bad YAML, unknown key or plugin, missing file) prints one line, ``error: ...``,
+and exits with status 2; ``--debug`` shows the Python traceback instead.
+
+    rlpipe run examples/tiny/config.yaml run.steps=20
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+
+def _user_errors(command):
+    """Turn `UserError` into one line on stderr and exit status 2 (unless --debug)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, debug: bool = False, **kwargs):
+        from rlpipe.core.errors import UserError
+
+        try:
+            return command(*args, **kwargs)
+        except UserError as exc:
+            if debug:
+                raise
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+    return click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")(wrapper)
+
+
+_config_arg = click.argument("config_path", metavar="CONFIG")
+_overrides_arg = click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="rlpipe")
+def main():
+    """rlpipe: PPO for language models from a reward signal (RLHF)."""
+
+
+@main.command()
+@_config_arg
+@_overrides_arg
+@click.option("--overwrite", is_flag=True, help="Replace an existing, non-empty run.output_dir.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (metrics still go to metrics.jsonl).")
+@_user_errors
+def run(config_path, overrides, overwrite, no_progress):
+    """Train with CONFIG (YAML); KEY=VALUE pairs override it, e.g. run.steps=20."""
+    from rlpipe.core.config import load_config
+    from rlpipe.core.pipeline import train
+
+    run_dir = train(load_config(config_path, overrides), overwrite=overwrite, progress=not no_progress)
+    click.echo(f"run finished: {run_dir}  (metrics.jsonl, config.yaml, final/)")
+
+
+@main.command("config")
+@_config_arg
+@_overrides_arg
+@_user_errors
+def config_cmd(config_path, overrides):
+    """Check CONFIG and print it resolved: defaults filled in, overrides applied, paths absolute."""
+    import yaml
+
+    from rlpipe.core.config import load_config
+
+    click.echo(yaml.safe_dump(load_config(config_path, overrides).to_dict(), sort_keys=False), nl=False)
+
+
+@main.command()
+@_user_errors
+def plugins():
+    """List installed plugins: group, name, distribution, version and status."""
+    from rlpipe.core.registry import status_table
+
+    rows = [(s.group, s.name, s.dist, s.version, status) for s, status in status_table()]
+    header = ("group", "name", "distribution", "version", "status")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
+    for row in [header, *rows]:
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + row[4])
+
+
+if __name__ == "__main__":
+    main()

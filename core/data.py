@@ -1,0 +1,66 @@
+"""Prompt data: a .txt file (one prompt per line) or .jsonl (a ``prompt`` field per line), served
+in seeded, reshuffled passes.
+
+>>> import tempfile, pathlib
+>>> p = pathlib.Path(tempfile.mkdtemp()) / "p.txt"
+>>> _ = p.write_text("a\\nb\\nc\\n")
+>>> stream = PromptStream(load_prompts(p), batch_size=2, shuffle=False)
+>>> stream.next_batch(), stream.next_batch()
+(['a', 'b'], ['c', 'a'])
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from rlpipe.core.errors import UserError
+
+
+def load_prompts(path: Path) -> list[str]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"prompt file not found: {path}")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix == ".jsonl":
+        prompts = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{n}: invalid JSON: {exc.msg}") from exc
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise UserError(f"{path}:{n}: expected an object with a string field 'prompt'")
+            prompts.append(row["prompt"])
+    else:
+        prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise UserError(f"{path}: no prompts found")
+    return prompts
+
+
+class PromptStream:
+    """Endless batches of prompts: each pass over the data is a fresh seeded permutation."""
+
+    def __init__(self, prompts: list[str], batch_size: int, shuffle: bool = True, seed: int = 0):
+        if batch_size < 1:
+            raise UserError(f"data.batch_size must be >= 1, got {batch_size}")
+        self.prompts, self.batch_size, self.shuffle = prompts, batch_size, shuffle
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+        self.position = 0   # prompts served so far (for logging and resume)
+
+    def next_batch(self) -> list[str]:
+        batch = []
+        while len(batch) < self.batch_size:
+            if not self.order:
+                n = len(self.prompts)
+                perm = torch.randperm(n, generator=self.generator) if self.shuffle else torch.arange(n)
+                self.order = perm.tolist()
+            batch.append(self.prompts[self.order.pop(0)])
+            self.position += 1
+        return batch

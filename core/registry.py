@@ -1,0 +1,173 @@
+"""Plugin registry over Python entry points (built-ins included), flake8/fsspec style.
+
+Finding plugins reads distribution metadata only; a plugin is imported when a config selects it
+(`load`) or when `rlpipe plugins` asks for its status. A plugin that fails to import or has the
+wrong shape is reported as ``group:name (distribution version): reason`` and does not take the
+others down. ``RLPIPE_DISABLE_PLUGIN_AUTOLOAD=1`` restricts the registry to rlpipe's built-ins.
+
+>>> from rlpipe.core import registry
+>>> sorted(registry.find("advantages"))[:1]
+['gae']
+>>> registry.load("advantages", "gae").__name__
+'GAE'
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from torch import nn
+
+from rlpipe.core.errors import UserError
+
+GROUPS = ("collectors", "rewards", "advantages", "losses")
+BUILTIN_DIST = "rlpipe"
+DISABLE_ENV = "RLPIPE_DISABLE_PLUGIN_AUTOLOAD"
+
+
+class PluginError(UserError):
+    """A plugin that cannot be used: unknown, ambiguous, broken on import, or of the wrong shape."""
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """One entry point, as found in metadata (nothing imported yet)."""
+
+    group: str
+    name: str
+    value: str       # "module:attr"
+    dist: str
+    version: str
+
+    @property
+    def label(self) -> str:
+        return f"rlpipe.{self.group}:{self.name} ({self.dist} {self.version})"
+
+    @property
+    def builtin(self) -> bool:
+        return self.dist == BUILTIN_DIST
+
+
+def find(group: str) -> dict[str, list[PluginSpec]]:
+    """Plugins of ``group`` by name, from metadata only. Names map to a list: two distributions
+    may claim the same name, which `load` reports as a conflict."""
+    if group not in GROUPS:
+        raise PluginError(f"unknown plugin group {group!r}; groups: {', '.join(GROUPS)}")
+    only_builtin = os.environ.get(DISABLE_ENV, "") not in ("", "0")
+    found: dict[str, list[PluginSpec]] = {}
+    for ep in entry_points(group=f"rlpipe.{group}"):
+        dist = ep.dist.name if ep.dist is not None else "unknown"
+        version = ep.dist.version if ep.dist is not None else "?"
+        spec = PluginSpec(group, ep.name, ep.value, dist, version)
+        if only_builtin and not spec.builtin:
+            continue
+        if spec not in found.setdefault(ep.name, []):
+            found[ep.name].append(spec)
+    return dict(sorted(found.items()))
+
+
+def _check_collector(obj):
+    if not inspect.isclass(obj):
+        return "expected a class with collect(prompts) and sync_weights(model)"
+    missing = [m for m in ("collect", "sync_weights") if not callable(getattr(obj, m, None))]
+    return f"collector class lacks {', '.join(missing)}" if missing else None
+
+
+def _check_module_class(obj):
+    if not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
+        return f"expected a torch.nn.Module subclass (a TensorDict module), got {obj!r}"
+    return None
+
+
+def _check_reward(obj):
+    if inspect.isfunction(obj):
+        return None
+    return _check_module_class(obj)
+
+
+def _check_loss(obj):
+    from torchrl.objectives import LossModule
+
+    if not (inspect.isclass(obj) and issubclass(obj, LossModule)):
+        return f"expected a torchrl.objectives.LossModule subclass, got {obj!r}"
+    return None
+
+
+_CHECKS = {"collectors": _check_collector, "rewards": _check_reward,
+           "advantages": _check_module_class, "losses": _check_loss}
+
+
+def _import(spec: PluginSpec):
+    """Import one entry point and check its shape; `PluginError` with provenance on failure."""
+    module_name, _, attr = spec.value.partition(":")
+    try:
+        obj = __import__(module_name, fromlist=["_"])
+        for part in filter(None, attr.split(".")):
+            obj = getattr(obj, part)
+    except Exception as exc:  # noqa: BLE001 - any failure of third-party code is reported, not raised
+        raise PluginError(f"{spec.label}: failed to import {spec.value}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    problem = _CHECKS[spec.group](obj)
+    if problem:
+        raise PluginError(f"{spec.label}: wrong shape: {problem}")
+    if spec.group == "rewards" and inspect.isfunction(obj):
+        from rlpipe.core.rewards import wrap_reward_function
+
+        obj = wrap_reward_function(obj)
+    return obj
+
+
+def resolve(group: str, name: str) -> PluginSpec:
+    """The unique entry point named ``name`` in ``group``; errors list what is available."""
+    found = find(group)
+    if name not in found:
+        available = ", ".join(found) or "none installed"
+        raise PluginError(f"unknown {group[:-1]} plugin {name!r}; available: {available}")
+    specs = found[name]
+    if len(specs) > 1:
+        owners = ", ".join(s.label for s in specs)
+        raise PluginError(f"{group[:-1]} plugin {name!r} is registered more than once: {owners}; "
+                          f"uninstall one of them")
+    return specs[0]
+
+
+def load(group: str, name: str):
+    """Import and return the plugin object (a class; plain reward functions come back wrapped)."""
+    return _import(resolve(group, name))
+
+
+def init_params(obj) -> dict[str, inspect.Parameter]:
+    """Constructor parameters that a config may set (``self``, ``ctx`` and ``*args`` excluded)."""
+    sig = inspect.signature(obj)
+    return {name: p for name, p in sig.parameters.items()
+            if name != "ctx" and p.kind is not inspect.Parameter.VAR_POSITIONAL}
+
+
+def instantiate(obj, kwargs: dict, ctx=None, label: str = "plugin"):
+    """Build a plugin: config keys as keyword arguments, plus ``ctx`` if the constructor asks."""
+    if "ctx" in inspect.signature(obj).parameters:
+        kwargs = {**kwargs, "ctx": ctx}
+    try:
+        return obj(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise PluginError(f"{label}: {exc}") from exc
+
+
+def status_table() -> list[tuple[PluginSpec, str]]:
+    """Every installed plugin with ``ok`` or the reason it is unusable (imports each one)."""
+    rows = []
+    for group in GROUPS:
+        for name, specs in find(group).items():
+            for spec in specs:
+                if len(specs) > 1:
+                    rows.append((spec, "conflict: name registered by several distributions"))
+                    continue
+                try:
+                    _import(spec)
+                    rows.append((spec, "ok"))
+                except PluginError as exc:
+                    rows.append((spec, "broken: " + str(exc).split(": ", 1)[1]))
+    return rows

@@ -1,0 +1,9 @@
+"""An out-of-tree rlpipe plugin package: a reward function and an advantage module.
+
+Registered through the entry points in ``pyproject.toml``: ``rlpipe.rewards:keyword`` is
+`rewards.keyword_reward`, ``rlpipe.advantages:reward_to_go`` is `advantages.RewardToGo`.
+
+>>> from rlpipe_example_plugin.rewards import keyword_reward
+>>> keyword_reward(["Say"], ["good day"])
+[1.0]
+"""

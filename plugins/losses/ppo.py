@@ -1,0 +1,213 @@
+"""PPO loss for token-level RLHF: clipped surrogate (asymmetric and dual clip), clipped value
+loss, entropy bonus, all masked to valid response tokens.
+
+The loss holds no networks: the trainer writes the current policy's ``log_prob``, ``entropy``
+and ``value_pred`` into the micro-batch. Losses are sums over the micro-batch divided by the
+minibatch-wide counts ``num_tokens``/``num_seqs``, so the losses of the micro-batches of a
+minibatch add up to the loss of the whole minibatch.
+
+>>> import torch
+>>> from tensordict import TensorDict
+>>> from rlpipe.core import schema
+>>> td = TensorDict({schema.LOG_PROB: torch.zeros(1, 2), schema.OLD_LOG_PROB: torch.zeros(1, 2),
+...                  schema.ADVANTAGE: torch.tensor([[1.0, 3.0]]),
+...                  schema.RESPONSE_MASK: torch.tensor([[True, True]])}, batch_size=[1])
+>>> PPOLoss()(td)["loss_objective"].item()
+-2.0
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from tensordict import NestedKey, TensorDict, TensorDictBase
+from torchrl.objectives import LossModule
+
+from rlpipe.core import schema
+from rlpipe.core.errors import UserError
+from rlpipe.core.ops import masked_mean, masked_var
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+VALUE_LOSSES = ("mse", "huber")
+
+
+def ppo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantage: torch.Tensor,
+                    *, clip_low: float, clip_high: float, dual_clip: float | None = None,
+                    log_ratio_clamp: float = 20.0):
+    """Per-token clipped surrogate loss ``max(-A r, -A clip(r, 1-clip_low, 1+clip_high))``, and
+    for ``A < 0`` with ``dual_clip=c`` capped at ``-c A`` (Ye et al. 2020). Returns
+    ``(loss, clipped, clipped_lower, log_ratio)``: the clip indicators are bool, ``log_ratio``
+    is clamped to ``[-log_ratio_clamp, log_ratio_clamp]`` before ``exp``.
+
+    >>> loss, clipped, _, _ = ppo_policy_loss(torch.tensor([0.5]), torch.tensor([0.0]),
+    ...                                       torch.tensor([1.0]), clip_low=0.2, clip_high=0.2)
+    >>> round(loss.item(), 4), clipped.item()
+    (-1.2, True)
+    """
+    log_ratio = (log_prob - old_log_prob).clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantage * ratio
+    clipped_loss = -advantage * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    clipped = clipped_loss > unclipped
+    if dual_clip is None:
+        return loss, clipped, torch.zeros_like(clipped), log_ratio
+    cap = -dual_clip * advantage
+    clipped_lower = (advantage < 0) & (loss > cap)
+    return torch.where(clipped_lower, cap, loss), clipped, clipped_lower, log_ratio
+
+
+def ppo_value_loss(value_pred: torch.Tensor, old_value: torch.Tensor, value_target: torch.Tensor,
+                   *, value_clip: float | None = 0.2, kind: str = "mse"):
+    """Per-token critic loss, ``max(f(v - target), f(v_clipped - target))`` with
+    ``v_clipped = old + clamp(v - old, -value_clip, value_clip)`` (PPO2/TRL), or ``f(v - target)``
+    when ``value_clip`` is None. ``f`` is ``x^2 / 2`` ("mse") or Huber with delta 1 ("huber").
+    Returns ``(loss, clipped)``, ``clipped`` true where the clipped term is the larger.
+
+    >>> loss, clipped = ppo_value_loss(torch.tensor([1.0]), torch.tensor([0.0]),
+    ...                                torch.tensor([1.0]), value_clip=0.5)
+    >>> loss.item(), clipped.item()
+    (0.125, True)
+    """
+    def f(pred):
+        if kind == "huber":
+            return torch.nn.functional.huber_loss(pred, value_target, reduction="none")
+        return 0.5 * (pred - value_target) ** 2
+
+    loss = f(value_pred)
+    if value_clip is None:
+        return loss, torch.zeros_like(loss, dtype=torch.bool)
+    clipped_loss = f(old_value + (value_pred - old_value).clamp(-value_clip, value_clip))
+    return torch.maximum(loss, clipped_loss), clipped_loss > loss
+
+
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str,
+                   num_tokens: torch.Tensor | float, num_seqs: torch.Tensor | float):
+    """Reduce a [B, R] per-token loss to a scalar over valid tokens: "token-mean" is the sum over
+    valid tokens / ``num_tokens``; "seq-mean-token-mean" the sum of per-sequence masked token
+    means / ``num_seqs`` (a zero-length sequence adds 0); "seq-mean-token-sum" the sum of
+    per-sequence token sums / ``num_seqs``. Counts below 1 count as 1.
+
+    >>> mask = torch.tensor([[True, True], [True, False]])
+    >>> loss = torch.tensor([[1.0, 3.0], [5.0, 0.0]])
+    >>> aggregate_loss(loss, mask, "seq-mean-token-mean", num_tokens=3, num_seqs=2).item()
+    3.5
+    """
+    per_seq = torch.where(mask, loss, 0).sum(-1)
+    if mode == "token-mean":
+        return per_seq.sum() / torch.as_tensor(num_tokens).clamp_min(1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp_min(1)
+    return per_seq.sum() / torch.as_tensor(num_seqs).clamp_min(1)
+
+
+def _global_count(td: TensorDictBase, key: NestedKey, local: torch.Tensor) -> torch.Tensor:
+    """The minibatch-wide count stored under ``key`` (every entry holds it), else ``local``."""
+    count = td.get(key, None)
+    return local if count is None or count.numel() == 0 else count.reshape(-1)[0]
+
+
+class PPOLoss(LossModule):
+    """PPO loss over a micro-batch (see the module docstring). Emits ``loss_objective``,
+    ``loss_critic`` (when ``value_pred`` is present, times ``vf_coef``), ``loss_entropy`` (when
+    ``entropy`` is present and ``entropy_coef > 0``) and detached metrics under ``policy`` and
+    ``value``: each a masked token mean over this micro-batch, except ``explained_var``
+    (``1 - Var(target - pred) / Var(target)`` over its valid tokens). ``approx_kl`` is the k2
+    estimator ``(log_ratio)^2 / 2``.
+
+    >>> PPOLoss(clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean").clip_high
+    0.28
+    """
+
+    @dataclass
+    class _AcceptedKeys:
+        log_prob: NestedKey = schema.LOG_PROB
+        old_log_prob: NestedKey = schema.OLD_LOG_PROB
+        advantage: NestedKey = schema.ADVANTAGE
+        response_mask: NestedKey = schema.RESPONSE_MASK
+        entropy: NestedKey = schema.ENTROPY
+        value_pred: NestedKey = schema.VALUE_PRED
+        value: NestedKey = schema.VALUE
+        value_target: NestedKey = schema.VALUE_TARGET
+        num_tokens: NestedKey = schema.NUM_TOKENS
+        num_seqs: NestedKey = schema.NUM_SEQS
+
+    default_keys = _AcceptedKeys
+    out_keys = ["loss_objective", "loss_critic", "loss_entropy",
+                ("policy", "loss"), ("policy", "clipfrac"), ("policy", "clipfrac_lower"),
+                ("policy", "approx_kl"), ("policy", "entropy"),
+                ("value", "loss"), ("value", "clipfrac"), ("value", "explained_var")]
+
+    def __init__(self, *, clip_low: float = 0.2, clip_high: float | None = None,
+                 dual_clip: float | None = None, log_ratio_clamp: float = 20.0,
+                 vf_coef: float = 0.5, value_clip: float | None = 0.2, value_loss: str = "mse",
+                 entropy_coef: float = 0.0, agg: str = "token-mean"):
+        super().__init__()
+        clip_high = clip_low if clip_high is None else clip_high
+        rules = {"clip_low": (clip_low, "a number in (0, 1)", lambda x: 0 < x < 1),
+                 "clip_high": (clip_high, "a number > 0", lambda x: x > 0),
+                 "dual_clip": (dual_clip, "null or a number > 1", lambda x: x > 1),
+                 "log_ratio_clamp": (log_ratio_clamp, "a number > 0", lambda x: x > 0),
+                 "vf_coef": (vf_coef, "a number >= 0", lambda x: x >= 0),
+                 "value_clip": (value_clip, "null or a number > 0", lambda x: x > 0),
+                 "entropy_coef": (entropy_coef, "a number >= 0", lambda x: x >= 0)}
+        for name, (x, expected, ok) in rules.items():
+            if x is None and expected.startswith("null"):
+                continue
+            number = not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+            if not (number and ok(x)):
+                raise UserError(f"loss 'ppo': {name} must be {expected}, got {x!r}")
+        if value_loss not in VALUE_LOSSES:
+            raise UserError(f"loss 'ppo': value_loss must be one of {VALUE_LOSSES}, "
+                            f"got {value_loss!r}")
+        if agg not in AGG_MODES:
+            raise UserError(f"loss 'ppo': agg must be one of {AGG_MODES}, got {agg!r}")
+        self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
+        self.log_ratio_clamp, self.vf_coef, self.value_clip = log_ratio_clamp, vf_coef, value_clip
+        self.value_loss, self.entropy_coef, self.agg = value_loss, entropy_coef, agg
+
+    @property
+    def in_keys(self) -> list[NestedKey]:
+        """Every key the loss reads; ``entropy``, ``value_pred``, ``value`` and the counts are
+        optional."""
+        return list(vars(self.tensor_keys).values())
+
+    def forward(self, td: TensorDictBase) -> TensorDict:
+        keys = self.tensor_keys
+        mask = td.get(keys.response_mask)
+        agg = functools.partial(
+            aggregate_loss, mask=mask, mode=self.agg,
+            num_tokens=_global_count(td, keys.num_tokens, mask.sum()),
+            num_seqs=_global_count(td, keys.num_seqs, torch.tensor(mask.shape[0])))
+        loss, clipped, clipped_lower, log_ratio = ppo_policy_loss(
+            td.get(keys.log_prob), td.get(keys.old_log_prob), td.get(keys.advantage),
+            clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
+            log_ratio_clamp=self.log_ratio_clamp)
+        out = TensorDict({"loss_objective": agg(loss)}, batch_size=[])
+        metrics = {("policy", "loss"): loss, ("policy", "clipfrac"): clipped,
+                   ("policy", "clipfrac_lower"): clipped_lower,
+                   ("policy", "approx_kl"): 0.5 * log_ratio * log_ratio}
+        entropy = td.get(keys.entropy, None)
+        if entropy is not None:
+            metrics[("policy", "entropy")] = entropy
+            if self.entropy_coef > 0:
+                out.set("loss_entropy", -self.entropy_coef * agg(entropy))
+        value_pred = td.get(keys.value_pred, None)
+        if value_pred is not None:
+            target = td.get(keys.value_target)
+            old_value = td.get(keys.value) if self.value_clip is not None else None
+            value_loss, value_clipped = ppo_value_loss(value_pred, old_value, target,
+                                                       value_clip=self.value_clip,
+                                                       kind=self.value_loss)
+            out.set("loss_critic", self.vf_coef * agg(value_loss))
+            metrics[("value", "loss")] = value_loss
+            metrics[("value", "clipfrac")] = value_clipped
+            residual_var = masked_var((target - value_pred).detach(), mask)
+            explained_var = 1 - residual_var / masked_var(target, mask).clamp_min(1e-8)
+            out.set(("value", "explained_var"), explained_var)
+        for key, x in metrics.items():
+            out.set(key, masked_mean(x.detach().to(log_ratio.dtype), mask))
+        return out
