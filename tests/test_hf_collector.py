@@ -180,8 +180,10 @@ def test_outputs_are_usable_by_autograd_and_train_mode_is_restored(ctx):
     assert seen and not any(seen), "generation runs in eval mode"
     assert model.training, "the caller's mode is restored"
     collector.sync_weights(model)
-    ids = torch.cat([batch[schema.PROMPT_IDS], batch[schema.RESPONSE_IDS]], dim=1)
-    model(input_ids=ids).logits.sum().backward()   # no inference tensors in the batch
+    response, mask = batch[schema.RESPONSE_IDS], batch[schema.RESPONSE_MASK]
+    logits = model(input_ids=torch.cat([batch[schema.PROMPT_IDS], response], dim=1)).logits
+    log_prob = logits[:, -response.shape[1] - 1:-1].log_softmax(-1).gather(-1, response[..., None])
+    (log_prob.squeeze(-1) * mask).sum().backward()  # fails on tensors made in inference mode
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -206,3 +208,15 @@ def test_bad_context_and_prompts_raise_user_error(ctx, tiny_model, tiny_tokenize
     for prompts in ([], ["ok", 3]):
         with pytest.raises(UserError, match="prompt strings"):
             collector.collect(prompts)
+
+
+def test_peft_wrapped_actor_generates_like_its_base(ctx):
+    peft = pytest.importorskip("peft")
+    reference = HFCollector(ctx, max_new_tokens=6, temperature=0).collect(PROMPTS)
+    wrapped = peft.get_peft_model(ctx.actor, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                             task_type="CAUSAL_LM"))
+    wrapped.generation_config.repetition_penalty = 5.0       # must not leak in either
+    ctx_peft = RunContext(tokenizer=ctx.tokenizer, actor=wrapped)
+    batch = HFCollector(ctx_peft, max_new_tokens=6, temperature=0).collect(PROMPTS)
+    assert torch.equal(batch[schema.RESPONSE_IDS], reference[schema.RESPONSE_IDS])  # LoRA B starts at 0
+    assert wrapped.get_base_model().generation_config.repetition_penalty == 5.0

@@ -182,6 +182,13 @@ def test_garbage_on_padding_changes_nothing():
         torch.testing.assert_close(dirty_grads[key], grad, rtol=0, atol=0)
 
 
+def test_all_empty_micro_batch_is_finite_and_zero():
+    td = make_batch(seed=7, garbage=1e4, lengths=[0, 0, 0])
+    out = PPOLoss(entropy_coef=0.1, agg="seq-mean-token-mean")(td)
+    assert all(torch.isfinite(v).all() for v in out.values(include_nested=True, leaves_only=True))
+    assert loss_sum(out).item() == 0.0
+
+
 def test_optional_inputs_and_detached_metrics():
     td = make_batch(seed=5).exclude(VALUE_PRED, VALUE, ENTROPY)
     td[LOG_PROB].requires_grad_()

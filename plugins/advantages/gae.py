@@ -29,7 +29,7 @@ def masked_gae(reward: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, ga
                lmbda: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantage and value target, both [B, R] and 0 on padding, from [B, R] ``reward`` and
     ``value`` with a right-padded bool ``mask``. Reward and value are read on valid tokens only;
-    a false entry ends the episode (the value after the last valid token is 0).
+    the episode ends at the last valid token (the value after it is 0).
 
     >>> adv, target = masked_gae(torch.tensor([[1.0, 2.0]]), torch.tensor([[0.5, 7.0]]),
     ...                          torch.tensor([[True, False]]), gamma=1.0, lmbda=0.95)
@@ -39,11 +39,10 @@ def masked_gae(reward: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, ga
     value = torch.where(mask, value, 0)
     next_value = torch.nn.functional.pad(value[:, 1:], (0, 1))
     delta = torch.where(mask, reward + gamma * next_value - value, 0)
-    keep = mask.to(delta.dtype)
     advantage = torch.empty_like(delta)
     running = delta.new_zeros(delta.shape[0])
     for t in reversed(range(delta.shape[1])):
-        running = (delta[:, t] + gamma * lmbda * running) * keep[:, t]
+        running = delta[:, t] + gamma * lmbda * running
         advantage[:, t] = running
     return advantage, advantage + value
 

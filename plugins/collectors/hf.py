@@ -30,7 +30,8 @@ class HFCollector:
     disable those filters. Prompts longer than ``max_prompt_tokens`` keep their last tokens.
     ``chat_template=True`` wraps each prompt as one user message with the generation prompt.
     A row also stops when its decoded response ends with one of ``stop_strings``; the stop tokens
-    stay in the response and the row counts as finished.
+    stay in the response and the row counts as finished. The constructor arguments are kept as
+    attributes of the same names (the trainer reads ``temperature`` and ``max_new_tokens``).
     """
 
     def __init__(self, ctx, *, max_new_tokens: int = 64, temperature: float = 1.0,
@@ -46,6 +47,8 @@ class HFCollector:
             raise UserError("hf collector: chat_template=true but the tokenizer has no chat template; "
                             "set chat_template: false or use a tokenizer that defines one")
         self.model, self.tokenizer, self.device = ctx.actor, ctx.tokenizer, torch.device(ctx.device)
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = (
+            max_new_tokens, temperature, top_p, top_k)
         self.n, self.micro_batch_size = n, micro_batch_size
         self.max_prompt_tokens, self.chat_template = max_prompt_tokens, chat_template
         self.stop_strings = tuple(stop_strings or ())
@@ -123,13 +126,11 @@ class HFCollector:
             out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
                                       generation_config=self.generation_config,
                                       stopping_criteria=StoppingCriteriaList([tracker]))
-            out = out.masked_fill(out < 0, 0)
         # Outside inference mode, so the trainer can use these tensors in autograd.
         new = out[:, width:]
         finished = tracker.lengths >= 0
         lengths = torch.where(finished, tracker.lengths, new.shape[1])
         mask = torch.arange(new.shape[1], device=new.device) < lengths[:, None]
-        with torch.inference_mode(): new = new.clone()
         r = int(lengths.max())
         return new.masked_fill(~mask, self.pad_id)[:, :r], mask[:, :r], finished
 
