@@ -65,6 +65,7 @@ class DataConfig:
 class KLConfig:
     coef: float = 0.05                              # beta, or the adaptive controller's start
     estimator: Literal["k1", "k2", "k3"] = "k1"
+    in_: Literal["reward", "loss"] = field(default="reward", metadata={"yaml": "in"})
     target: float | None = None                     # set: adaptive controller (Ziegler et al. 2019)
     horizon: int = 10000
 
@@ -79,6 +80,12 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     forward_batch_size: int = 16      # micro-batch for no-grad forwards over the rollout
+
+
+@dataclass
+class RewardSettings:
+    clip: float | None = None      # clip the weighted score to [-clip, clip]
+    normalize: bool = False        # running mean/std of the score across steps (checkpointed)
 
 
 @dataclass
@@ -108,6 +115,7 @@ class Config:
     collector: PluginConfig = field(default_factory=lambda: PluginConfig("hf"))
     advantage: PluginConfig = field(default_factory=lambda: PluginConfig("gae"))
     loss: PluginConfig = field(default_factory=lambda: PluginConfig("ppo"))
+    reward: RewardSettings = field(default_factory=RewardSettings)
     kl: KLConfig = field(default_factory=KLConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -126,12 +134,17 @@ def _dump(obj):
         fixed = {k: _dump(getattr(obj, k)) for k in _PLUGIN_SECTIONS[type(obj)]}
         return {**{k: v for k, v in fixed.items() if v is not None}, **_dump(obj.args)}
     if dataclasses.is_dataclass(obj):
-        return {f.name: _dump(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {_yaml_key(f): _dump(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
         return {k: _dump(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_dump(v) for v in obj]
     return str(obj) if isinstance(obj, Path) else obj
+
+
+def _yaml_key(f: dataclasses.Field) -> str:
+    """The key a field has in YAML (``kl.in`` is the field ``in_``: ``in`` is a Python keyword)."""
+    return f.metadata.get("yaml", f.name)
 
 
 def _type_name(tp) -> str:
@@ -195,7 +208,7 @@ class _Converter:
             raise UserError(f"{key or 'config'}: expected a mapping, got {type(raw).__name__}")
         raw = dict(raw)
         hints = typing.get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = {_yaml_key(f): f for f in dataclasses.fields(cls)}
         if cls in _PLUGIN_SECTIONS:  # fixed keys + free plugin arguments (checked later)
             fixed = _PLUGIN_SECTIONS[cls]
             raw = {**{k: raw.pop(k) for k in fixed if k in raw}, "args": raw}
@@ -209,7 +222,7 @@ class _Converter:
         for name, f in fields.items():
             sub = f"{key}.{name}" if key else name
             if name in raw:
-                kwargs[name] = self.value(raw[name], hints[name], sub)
+                kwargs[f.name] = self.value(raw[name], hints[f.name], sub)
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise UserError(f"missing required key {sub}")
         return cls(**kwargs)
@@ -281,14 +294,27 @@ def _read_yaml(path: Path) -> dict:
     return raw
 
 
-def load_config(path, overrides=()) -> Config:
-    """Read a YAML config, apply ``KEY=VALUE`` overrides, check every key, type, file and plugin."""
-    path = Path(path)
-    raw = _read_yaml(path)
+def build_section(cls, raw: dict, base_dir: Path, cli_keys=(), key: str = ""):
+    """Check and convert a raw mapping into the dataclass ``cls`` (for other YAML files, such as
+    ``rlpipe train-rm``'s): unknown keys, types, Literals and input paths (relative to ``base_dir``,
+    or to the working directory for dotted keys in ``cli_keys``) as for run configs."""
+    return _Converter(Path(base_dir), set(cli_keys)).section(cls, raw, key)
+
+
+def read_config_file(path, overrides=()) -> tuple[dict, set[str]]:
+    """The YAML mapping of ``path`` with ``KEY=VALUE`` overrides applied, and the overridden keys."""
+    raw = _read_yaml(Path(path))
     parsed = parse_overrides(overrides)
     for dotted, value in parsed.items():
         _set_dotted(raw, dotted, value)
-    conv = _Converter(path.resolve().parent, set(parsed))
+    return raw, set(parsed)
+
+
+def load_config(path, overrides=()) -> Config:
+    """Read a YAML config, apply ``KEY=VALUE`` overrides, check every key, type, file and plugin."""
+    path = Path(path)
+    raw, cli_keys = read_config_file(path, overrides)
+    conv = _Converter(path.resolve().parent, cli_keys)
     cfg = conv.section(Config, raw, "")
     for key, group in _PLUGIN_GROUP.items():
         sections = getattr(cfg, key)
