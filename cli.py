@@ -50,13 +50,15 @@ def main():
 @_overrides_arg
 @click.option("--overwrite", is_flag=True, help="Replace an existing, non-empty run.output_dir.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (metrics still go to metrics.jsonl).")
+@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in run.output_dir.")
 @_user_errors
-def run(config_path, overrides, overwrite, no_progress):
+def run(config_path, overrides, overwrite, no_progress, resume):
     """Train with CONFIG (YAML); KEY=VALUE pairs override it, e.g. run.steps=20."""
     from rlpipe.core.config import load_config
     from rlpipe.core.pipeline import train
 
-    run_dir = train(load_config(config_path, overrides), overwrite=overwrite, progress=not no_progress)
+    run_dir = train(load_config(config_path, overrides), overwrite=overwrite,
+                    progress=not no_progress, resume=resume)
     click.echo(f"run finished: {run_dir}  (metrics.jsonl, config.yaml, final/)")
 
 
@@ -84,6 +86,33 @@ def plugins():
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
     for row in [header, *rows]:
         click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + row[4])
+
+
+@main.command()
+@click.argument("run_dir", metavar="RUN_DIR")
+@_user_errors
+def report(run_dir):
+    """Plot RUN_DIR's metrics.jsonl as PNGs in RUN_DIR/report/ and print a short summary."""
+    from rlpipe.core.report import summary, write_report
+
+    click.echo(summary(run_dir))
+    for path in write_report(run_dir):
+        click.echo(path)
+
+
+@main.command("train-rm")
+@_config_arg
+@_overrides_arg
+@click.option("--overwrite", is_flag=True, help="Replace an existing, non-empty output_dir.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (metrics still go to metrics.jsonl).")
+@_user_errors
+def train_rm(config_path, overrides, overwrite, no_progress):
+    """Train a Bradley–Terry reward model on preference pairs (JSONL: prompt, chosen, rejected)."""
+    from rlpipe.core.reward_training import load_rm_config, train_reward_model
+
+    out = train_reward_model(load_rm_config(config_path, overrides), overwrite=overwrite,
+                             progress=not no_progress)
+    click.echo(f"reward model saved: {out}  (rewards: [{{name: reward_model, path: {out}}}])")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ Plugins are looked up by name in the registry and never special-cased.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import random
 import shutil
 from dataclasses import dataclass
@@ -38,9 +40,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def prepare_run_dir(cfg: Config, overwrite: bool = False) -> Path:
-    """Create the run directory and write the resolved config; refuse to clobber an earlier run."""
+def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False) -> Path:
+    """Create the run directory and write the resolved config; refuse to clobber an earlier run.
+    With ``resume`` an existing directory is kept as it is."""
     run_dir = Path(cfg.run.output_dir).expanduser().resolve()
+    if resume and run_dir.is_dir():
+        return run_dir
     if run_dir.exists() and any(run_dir.iterdir()):
         if not overwrite:
             raise UserError(f"run directory {run_dir} is not empty; choose another "
@@ -54,24 +59,48 @@ def prepare_run_dir(cfg: Config, overwrite: bool = False) -> Path:
 @dataclass
 class Models:
     actor: torch.nn.Module
-    reference: torch.nn.Module
+    frozen_reference: torch.nn.Module | None   # None with a LoRA actor: adapters disabled instead
     critic: ValueModel | None
     tokenizer: object
 
+    @contextlib.contextmanager
+    def reference(self):
+        """The reference policy: a frozen copy, or the LoRA actor with its adapters disabled."""
+        if self.frozen_reference is not None:
+            yield self.frozen_reference
+        else:
+            with self.actor.disable_adapter():
+                yield self.actor
+
+
+def apply_lora(model: torch.nn.Module, lora, task_type: str | None):
+    """Wrap ``model`` with peft LoRA adapters; the base weights are frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules, task_type=task_type)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:
+        raise UserError(f"lora: {exc}") from exc
+
 
 def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models:
-    """Actor, frozen reference (a copy of the initial actor), and critic when the advantage needs one."""
-    actor_cfg = cfg.models.actor
+    """Actor (LoRA optional), reference (a frozen copy of the initial actor, or the LoRA actor with
+    adapters disabled), and a critic when the advantage estimator needs one."""
+    actor_cfg, critic_cfg = cfg.models.actor, cfg.models.critic
     tokenizer = load_tokenizer(actor_cfg.path)
     actor = load_causal_lm(actor_cfg.path, actor_cfg.init, actor_cfg.dtype).to(device)
-    reference = frozen_copy(actor)
     critic = None
     if need_critic:
-        critic_cfg = cfg.models.critic
         critic = (ValueModel.from_actor(actor) if critic_cfg.path is None
                   else ValueModel.from_pretrained(critic_cfg.path, critic_cfg.init))
+        if critic_cfg.lora is not None:
+            critic.backbone = apply_lora(critic.backbone, critic_cfg.lora, None)
         critic = critic.to(device).eval()
-    return Models(actor, reference, critic, tokenizer)
+    if actor_cfg.lora is not None:
+        return Models(apply_lora(actor, actor_cfg.lora, "CAUSAL_LM").eval(), None, critic, tokenizer)
+    return Models(actor, frozen_copy(actor), critic, tokenizer)
 
 
 @dataclass
@@ -95,8 +124,8 @@ def build_plugins(cfg: Config, ctx: RunContext) -> Plugins:
              for i, r in enumerate(cfg.rewards)]
     advantage = _make("advantages", cfg.advantage, ctx, "advantage")
     loss = _make("losses", cfg.loss, ctx, "loss")
-    return Plugins(collector, RewardComposer(parts).to(ctx.device), advantage.to(ctx.device),
-                   loss.to(ctx.device))
+    rewards = RewardComposer(parts, clip=cfg.reward.clip, normalize=cfg.reward.normalize)
+    return Plugins(collector, rewards.to(ctx.device), advantage.to(ctx.device), loss.to(ctx.device))
 
 
 def needs_critic(cfg: Config) -> bool:
@@ -107,3 +136,20 @@ def needs_critic(cfg: Config) -> bool:
 def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float):
     params = [p for p in module.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def make_scheduler(optimizer, cfg: Config):
+    """Linear warmup over ``train.warmup_steps`` optimizer steps, then constant or cosine to 0 at
+    the last optimizer step of ``run.steps``."""
+    t = cfg.train
+    total = max(1, cfg.run.steps * t.epochs * t.minibatches)
+
+    def factor(it: int) -> float:
+        if it < t.warmup_steps:
+            return (it + 1) / (t.warmup_steps + 1)
+        if t.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (it - t.warmup_steps) / max(1, total - t.warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

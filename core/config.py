@@ -33,6 +33,15 @@ class RunConfig:
     output_dir: str = "runs/rlpipe"  # the run directory, relative to the working directory
     device: str = "auto"             # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     debug: bool = False              # validate the batch at every stage boundary
+    resume: Literal["never", "auto"] = "never"   # auto: continue from the newest checkpoint
+
+
+@dataclass
+class LoraConfig:
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] | str = "all-linear"
 
 
 @dataclass
@@ -40,12 +49,16 @@ class ModelConfig:
     path: Path                                      # a Hugging Face model folder (config.json, tokenizer)
     init: Literal["pretrained", "random"] = "pretrained"  # random: fresh weights from config.json
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraConfig | None = None                  # set: train LoRA adapters (peft); the
+                                                    # reference is the actor with adapters disabled
+    gradient_checkpointing: bool = False
 
 
 @dataclass
 class CriticConfig:
     path: Path | None = None   # None: a copy of the actor's backbone; else a model folder
     init: Literal["pretrained", "random"] = "pretrained"
+    lora: LoraConfig | None = None
 
 
 @dataclass
@@ -80,6 +93,30 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     forward_batch_size: int = 16      # micro-batch for no-grad forwards over the rollout
+    schedule: Literal["constant", "cosine"] = "constant"   # over run.steps x epochs x minibatches
+    warmup_steps: int = 0             # linear warmup, in optimizer steps
+    target_kl: float | None = None    # stop a step's epochs once policy/approx_kl exceeds it
+    critic_warmup_steps: int = 0      # the first PPO steps train the critic only
+    max_bad_steps: int = 3            # consecutive non-finite steps before the run stops
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0                    # PPO steps between checkpoints (0: only the final policy)
+    keep: int = 2                     # newest checkpoints kept
+
+
+@dataclass
+class ExportConfig:
+    merge_lora: bool = True           # final/: LoRA merged into a copy (true) or the adapter only
+
+
+@dataclass
+class LogConfig:
+    progress: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "rlpipe"
 
 
 @dataclass
@@ -118,6 +155,9 @@ class Config:
     reward: RewardSettings = field(default_factory=RewardSettings)
     kl: KLConfig = field(default_factory=KLConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
         """Plain nested dict, plugin sections flattened as in the YAML (what ``config.yaml`` holds)."""

@@ -1,4 +1,5 @@
-"""Metrics: one JSON object per PPO step in ``metrics.jsonl``, and a live progress bar.
+"""Metrics: one JSON object per PPO step in ``metrics.jsonl``, a live progress bar, and optional
+TensorBoard (``run_dir/tensorboard``) and Weights & Biases sinks, each imported only when enabled.
 
 >>> import tempfile, pathlib, json
 >>> d = pathlib.Path(tempfile.mkdtemp())
@@ -12,9 +13,13 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
+import os
 from pathlib import Path
 
 import torch
+
+from rlpipe.core.errors import UserError
 
 # Shown on the progress bar, in this order, when present.
 _BAR_KEYS = ("reward/score", "kl/ref", "policy/clipfrac", "response/length", "perf/tokens_per_s")
@@ -36,12 +41,72 @@ def flatten(td, prefix: str = "") -> dict[str, float]:
     return out
 
 
-class MetricsWriter:
-    """Appends one JSON line per step (flushed, so a crash loses nothing written) and drives tqdm."""
+class _TensorBoard:
+    """Scalars to ``log_dir`` through ``torch.utils.tensorboard`` (needs the tensorboard package)."""
 
-    def __init__(self, path: Path, total: int, progress: bool = True, initial: int = 0):
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError("log.tensorboard needs the tensorboard package: pip install tensorboard") from None
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _wandb_key_configured() -> bool:
+    """Whether ``WANDB_API_KEY`` is set or ``wandb login`` stored a key in the netrc file."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class _Wandb:
+    """A Weights & Biases run; mode from ``WANDB_MODE``, else offline unless an API key is configured
+    (offline runs land in ``run_dir/wandb/``; upload them later with ``wandb sync``)."""
+
+    def __init__(self, project: str, name: str, run_dir: Path):
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("log.wandb needs the wandb package: pip install wandb") from None
+        mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_key_configured() else "offline")
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsWriter:
+    """Appends one JSON line per step (flushed, so a crash loses nothing written), drives tqdm and
+    forwards the numeric metrics to the enabled sinks (``tensorboard``, ``wandb``) at ``step``."""
+
+    def __init__(self, path: Path, total: int, progress: bool = True, initial: int = 0, *,
+                 tensorboard: bool = False, wandb: bool = False, wandb_project: str = "rlpipe",
+                 run_name: str | None = None):
+        path = Path(path)
+        self.file, self.bar, self.sinks, self.step = None, None, [], initial
+        try:
+            if tensorboard:
+                self.sinks.append(_TensorBoard(path.parent / "tensorboard"))
+            if wandb:
+                self.sinks.append(_Wandb(wandb_project, run_name or path.parent.name, path.parent))
+        except BaseException:
+            self.close()
+            raise
         self.file = open(path, "a", encoding="utf-8")
-        self.bar = None
         if progress:
             from tqdm.auto import tqdm
 
@@ -52,15 +117,23 @@ class MetricsWriter:
                  for k, v in metrics.items()}
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
+        self.step = int(metrics.get("step", self.step + 1))
+        scalars = {k: float(v) for k, v in clean.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for sink in self.sinks:
+            sink.log(scalars, self.step)
         if self.bar is not None:
             shown = {k.split("/")[-1]: f"{metrics[k]:.3g}" for k in _BAR_KEYS if k in metrics}
             self.bar.set_postfix(shown, refresh=False)
             self.bar.update(1)
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.bar is not None:
             self.bar.close()
+        for sink in self.sinks:
+            sink.close()
 
     def __enter__(self):
         return self

@@ -10,32 +10,37 @@ PosixPath('.../runs/tiny')
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import build, kl, schema
+from rlpipe.core import build, checkpoint, kl, schema
 from rlpipe.core.config import Config
 from rlpipe.core.context import RunContext
 from rlpipe.core.data import PromptStream, load_prompts
-from rlpipe.core.metrics import MetricsWriter, flatten, to_float
+from rlpipe.core.metrics import MetricsWriter, to_float
 from rlpipe.core.models import response_logprobs, response_values
-from rlpipe.core.ops import masked_mean
+from rlpipe.core.update import Updater
 
 S = schema
+_INPUTS = (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)
 
 
 class Pipeline:
-    """Builds everything a run needs from a `Config`, then `train()` runs ``run.steps`` PPO steps."""
+    """Builds everything a run needs from a `Config`; `train()` runs ``run.steps`` PPO steps.
 
-    def __init__(self, cfg: Config, overwrite: bool = False, progress: bool = True):
-        self.cfg, self.progress = cfg, progress
+    ``resume=True`` (or ``run.resume: auto``) continues from the newest complete checkpoint.
+    """
+
+    def __init__(self, cfg: Config, overwrite: bool = False, progress: bool = True,
+                 resume: bool = False):
+        self.cfg, self.progress = cfg, progress and cfg.log.progress
+        self.resume = resume or cfg.run.resume == "auto"
         build.seed_everything(cfg.run.seed)
         self.device = build.resolve_device(cfg.run.device)
-        self.run_dir = build.prepare_run_dir(cfg, overwrite)
+        self.run_dir = build.prepare_run_dir(cfg, overwrite, self.resume)
         self.models = build.build_models(cfg, self.device, build.needs_critic(cfg))
         self.ctx = RunContext(tokenizer=self.models.tokenizer, actor=self.models.actor,
                               device=self.device, seed=cfg.run.seed, run_dir=self.run_dir)
@@ -45,11 +50,8 @@ class Pipeline:
                                     cfg.data.shuffle, cfg.run.seed)
         self.kl_ctl = (kl.AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
                        if cfg.kl.target is not None else kl.FixedKLController(cfg.kl.coef))
-        t = cfg.train
-        self.actor_opt = build.make_optimizer(self.models.actor, t.lr, t.weight_decay)
-        self.critic_opt = (build.make_optimizer(self.models.critic, t.critic_lr, t.weight_decay)
-                           if self.models.critic is not None else None)
-        self.shuffle = torch.Generator().manual_seed(cfg.run.seed)
+        self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device)
+        self.step_count = 0
 
     def _check(self, td: TensorDict, keys, where: str) -> None:
         if self.cfg.run.debug:
@@ -60,9 +62,10 @@ class Pipeline:
         """old_log_prob, ref_log_prob and value for every response token, in micro-batches."""
         m, out = self.models, {S.OLD_LOG_PROB: [], S.REF_LOG_PROB: [], S.VALUE: []}
         for chunk in td.split(self.cfg.train.forward_batch_size):
-            inputs = [chunk[k] for k in (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)]
+            inputs = [chunk[k] for k in _INPUTS]
             out[S.OLD_LOG_PROB].append(response_logprobs(m.actor, *inputs, self.temperature)[0])
-            out[S.REF_LOG_PROB].append(response_logprobs(m.reference, *inputs, self.temperature)[0])
+            with m.reference() as reference:
+                out[S.REF_LOG_PROB].append(response_logprobs(reference, *inputs, self.temperature)[0])
             out[S.VALUE].append(response_values(m.critic, *inputs) if m.critic is not None
                                 else torch.zeros_like(out[S.OLD_LOG_PROB][-1]))
         for key, parts in out.items():
@@ -74,8 +77,7 @@ class Pipeline:
         # 1. collect: sample responses for a batch of prompts
         self.models.actor.eval()
         batch = self.plugins.collector.collect(self.prompts.next_batch()).to(self.device)
-        self._check(batch, [S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK,
-                            S.GROUP_ID, S.FINISHED], "collector")
+        self._check(batch, [*_INPUTS, S.GROUP_ID, S.FINISHED], "collector")
         t_rollout = time.perf_counter() - t0
         mask = batch[S.RESPONSE_MASK]
         # 2. log-probs of the sampling policy and the reference, values of the critic
@@ -87,18 +89,22 @@ class Pipeline:
         kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], self.cfg.kl.estimator)
         kl_tok = kl_tok * mask
         coef = self.kl_ctl.value
-        batch[S.REWARD] = kl.shape_reward(batch[S.SCORE], kl_tok, mask, coef)
+        reward_coef = coef if self.cfg.kl.in_ == "reward" else 0.0
+        batch[S.REWARD] = kl.shape_reward(batch[S.SCORE], kl_tok, mask, reward_coef)
         # 5. advantage and value targets
         batch = self.plugins.advantage(batch)
         self._check(batch, [S.REWARD, S.ADVANTAGE, S.VALUE_TARGET], "advantage")
-        # 6. PPO epochs over minibatches
+        # 6. PPO epochs over minibatches (the critic alone during critic warm-up)
         t1 = time.perf_counter()
-        update_metrics = self.update(batch)
+        warmup = self.step_count < self.cfg.train.critic_warmup_steps
+        kl_loss_coef = coef if self.cfg.kl.in_ == "loss" else 0.0
+        update_metrics = self.updater.update(batch, train_actor=not warmup, kl_coef=kl_loss_coef)
         t_update = time.perf_counter() - t1
         # 7. weight sync: push the updated actor to the generation engine
         self.plugins.collector.sync_weights(self.models.actor)
-        seq_kl = to_float((kl_tok.sum(-1)).mean())
+        seq_kl = to_float(kl_tok.sum(-1).mean())
         self.kl_ctl.update(seq_kl, batch.batch_size[0])
+        self.step_count += 1
         # 8. metrics
         elapsed = time.perf_counter() - t0
         metrics = {
@@ -112,63 +118,79 @@ class Pipeline:
         }
         return batch, metrics
 
-    def _micro_step(self, micro: TensorDict) -> TensorDict:
-        """Forward the current models on one micro-batch, run the loss, backward; return its output."""
+    # ---- checkpoint and resume -------------------------------------------------------------
+
+    def _modules(self) -> dict:
         m = self.models
-        inputs = [micro[k] for k in (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)]
-        micro[S.LOG_PROB], micro[S.ENTROPY] = response_logprobs(
-            m.actor, *inputs, self.temperature, with_entropy=True)
-        if m.critic is not None:
-            micro[S.VALUE_PRED] = response_values(m.critic, *inputs)
-        out = self.plugins.loss(micro)
-        losses = [v for k, v in out.items() if k.startswith("loss_")]
-        sum(losses).backward()
-        return out
+        return {"actor": m.actor, **({"critic": m.critic} if m.critic is not None else {})}
 
-    def update(self, batch: TensorDict) -> dict:
-        """K epochs x shuffled minibatches (one optimizer step each) x gradient-accumulation micro-batches."""
-        t, m = self.cfg.train, self.models
-        size = batch.batch_size[0]
-        mb_size = math.ceil(size / t.minibatches)
-        sums: dict[str, float] = {}
-        count = 0
-        for _ in range(t.epochs):
-            for idx in torch.randperm(size, generator=self.shuffle).split(mb_size):
-                mb = batch[idx.to(self.device)]
-                mb[S.NUM_TOKENS] = mb[S.RESPONSE_MASK].sum().float().expand(len(idx))
-                mb[S.NUM_SEQS] = torch.full((len(idx),), float(len(idx)), device=self.device)
-                self.actor_opt.zero_grad(set_to_none=True)
-                if self.critic_opt is not None:
-                    self.critic_opt.zero_grad(set_to_none=True)
-                for micro in mb.split(math.ceil(len(idx) / t.grad_accum)):
-                    out = self._micro_step(micro)
-                    for k, v in flatten(out.exclude(*[k for k in out.keys() if k.startswith("loss_")])).items():
-                        sums[k] = sums.get(k, 0.0) + v
-                    count += 1
-                self._optimizer_step(m.actor, self.actor_opt, t.max_grad_norm)
-                if self.critic_opt is not None:
-                    self._optimizer_step(m.critic, self.critic_opt, t.max_grad_norm)
-        return {k: v / count for k, v in sums.items()}
+    def state_dict(self) -> dict:
+        """Everything but the weights: step, optimizers, schedulers, RNGs, KL, rewards, data."""
+        import random
 
-    @staticmethod
-    def _optimizer_step(module, optimizer, max_grad_norm) -> None:
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), max_grad_norm)
-        optimizer.step()
+        p = self.prompts
+        return {"step": self.step_count, "updater": self.updater.state_dict(),
+                "kl": self.kl_ctl.state_dict(), "rewards": self.plugins.rewards.state_dict(),
+                "data": {"generator": p.generator.get_state(), "order": list(p.order),
+                         "position": p.position},
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        import random
+
+        self.step_count = int(state["step"])
+        self.updater.load_state_dict(state["updater"])
+        self.kl_ctl.load_state_dict(state["kl"])
+        self.plugins.rewards.load_state_dict(state["rewards"])
+        data = state["data"]
+        self.prompts.generator.set_state(data["generator"])
+        self.prompts.order, self.prompts.position = list(data["order"]), int(data["position"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+
+    def _restore(self) -> None:
+        """Continue from the newest complete checkpoint; drop metric rows written after it."""
+        path = checkpoint.latest(self.run_dir)
+        if path is None:
+            return
+        self.load_state_dict(checkpoint.load(path, self._modules()))
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.is_file():
+            lines = metrics.read_text().splitlines()[: self.step_count]
+            metrics.write_text("".join(line + "\n" for line in lines))
+
+    def save_final(self) -> Path:
+        """``final/``: a ``save_pretrained`` folder of the policy (LoRA merged into a copy, or the
+        adapter alone with ``export.merge_lora: false``) and its tokenizer."""
+        import copy
+
+        final, actor = self.run_dir / "final", self.models.actor
+        if hasattr(actor, "merge_and_unload") and self.cfg.export.merge_lora:
+            actor = copy.deepcopy(actor).merge_and_unload()  # a copy: the training model keeps LoRA
+        actor.save_pretrained(final)
+        self.models.tokenizer.save_pretrained(final)
+        return final
 
     def train(self) -> Path:
-        """Run every step, append metrics, save the final policy; returns the run directory."""
-        steps = self.cfg.run.steps
-        with MetricsWriter(self.run_dir / "metrics.jsonl", steps, self.progress) as writer:
-            for step in range(1, steps + 1):
+        """Run the remaining steps, append metrics, checkpoint, save the final policy."""
+        cfg = self.cfg
+        if self.resume:
+            self._restore()
+        log = cfg.log
+        with MetricsWriter(self.run_dir / "metrics.jsonl", cfg.run.steps, self.progress,
+                           initial=self.step_count, tensorboard=log.tensorboard, wandb=log.wandb,
+                           wandb_project=log.wandb_project, run_name=self.run_dir.name) as writer:
+            while self.step_count < cfg.run.steps:
                 _, metrics = self.step()
-                writer.write({"step": step, **metrics})
-        final = self.run_dir / "final"
-        self.models.actor.save_pretrained(final)
-        self.models.tokenizer.save_pretrained(final)
+                writer.write({"step": self.step_count, **metrics})
+                every = cfg.checkpoint.every
+                if every and (self.step_count % every == 0 or self.step_count == cfg.run.steps):
+                    checkpoint.save(self.run_dir, self.step_count, self._modules(),
+                                    self.state_dict(), cfg.checkpoint.keep)
+        self.save_final()
         return self.run_dir
 
 
-def train(cfg: Config, overwrite: bool = False, progress: bool = True) -> Path:
+def train(cfg: Config, overwrite: bool = False, progress: bool = True, resume: bool = False) -> Path:
     """Train with ``cfg``; returns the run directory (``config.yaml``, ``metrics.jsonl``, ``final/``)."""
-    return Pipeline(cfg, overwrite=overwrite, progress=progress).train()
+    return Pipeline(cfg, overwrite=overwrite, progress=progress, resume=resume).train()

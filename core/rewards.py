@@ -1,7 +1,9 @@
 """Reward composition: several reward plugins, each weighted, summed into one sequence score.
 
-Each component's raw output goes to ``("score_parts", label)``; ``score = sum(weight * part)``.
-A component that returns the wrong shape, NaN or inf stops the run with an error naming it.
+Each component's raw output goes to ``("score_parts", label)``; ``score = sum(weight * part)``,
+optionally normalised by running statistics across steps (``reward.normalize``) and clipped
+(``reward.clip``). A component that returns the wrong shape, NaN or inf stops the run with an
+error naming it.
 
 >>> import torch
 >>> from tensordict import TensorDict
@@ -24,7 +26,8 @@ from rlpipe.core import schema
 from rlpipe.core.errors import UserError
 
 
-def _texts(td, key) -> list[str]:
+def batch_texts(td, key) -> list[str]:
+    """A non-tensor text entry of the batch (``prompt_text``, ``response_text``) as a list."""
     value = td.get(key)
     return value.tolist() if hasattr(value, "tolist") else list(value)
 
@@ -47,7 +50,7 @@ def wrap_reward_function(fn) -> type[nn.Module]:
         def forward(self, td):
             skip = {schema.PROMPT_TEXT, schema.RESPONSE_TEXT, *self.kwargs}
             batch = {k: td.get(k) for k in td.keys() if k not in skip}
-            out = fn(_texts(td, schema.PROMPT_TEXT), _texts(td, schema.RESPONSE_TEXT),
+            out = fn(batch_texts(td, schema.PROMPT_TEXT), batch_texts(td, schema.RESPONSE_TEXT),
                      **batch, **self.kwargs)
             try:
                 return torch.as_tensor([float(x) for x in out], dtype=torch.float32)
@@ -62,28 +65,80 @@ def wrap_reward_function(fn) -> type[nn.Module]:
 
 
 class RewardComposer(nn.Module):
-    """Run each ``(label, weight, module)`` on the batch; write score parts and the score."""
+    """Run each ``(label, weight, module)`` on the batch; write score parts and the score.
 
-    def __init__(self, components: list[tuple[str, float, nn.Module]]):
+    ``score = sum(weight * part)``; then, with ``normalize``, the running statistics absorb this
+    batch's scores and the score becomes ``(score - mean) / sqrt(var + EPS)``; then, with
+    ``clip``, it is clamped to ``[-clip, clip]``. The parts are kept raw. The running count, mean
+    and sum of squared deviations are float64 buffers (``score_count``, ``score_mean``,
+    ``score_m2``), so ``state_dict()`` checkpoints them; they are per process.
+
+    >>> from tensordict import TensorDict
+    >>> class Ramp(nn.Module):
+    ...     def forward(self, td):
+    ...         return torch.arange(td.batch_size[0], dtype=torch.float32)
+    >>> rewards = RewardComposer([("ramp", 2.0, Ramp())], clip=1.0, normalize=True)
+    >>> rewards(TensorDict({}, batch_size=[3]))["score"]
+    tensor([-1.,  0.,  1.])
+    >>> rewards.score_mean.item(), rewards.score_count.item()
+    (2.0, 3.0)
+    """
+
+    EPS = 1e-8  # added to the running variance before the square root
+
+    def __init__(self, components: list[tuple[str, float, nn.Module]], clip: float | None = None,
+                 normalize: bool = False):
         super().__init__()
+        if clip is not None and not clip > 0:
+            raise UserError(f"reward.clip must be > 0 (or null: off), got {clip}")
         self.labels = [label for label, _, _ in components]
         self.weights = [float(weight) for _, weight, _ in components]
         self.parts = nn.ModuleList([module for _, _, module in components])
+        self.clip, self.normalize = clip, normalize
+        for name in ("score_count", "score_mean", "score_m2"):
+            self.register_buffer(name, torch.zeros((), dtype=torch.float64))
+
+    def _part(self, label: str, module: nn.Module, td, device) -> torch.Tensor:
+        """One component's [B] float32 output on ``device``, checked for shape and finiteness."""
+        batch = td.batch_size[0]
+        part = module(td)
+        if not isinstance(part, torch.Tensor) or part.shape != (batch,):
+            shape = tuple(part.shape) if isinstance(part, torch.Tensor) else type(part).__name__
+            raise UserError(f"reward {label!r} returned {shape}; expected a tensor of shape ({batch},)")
+        part = part.to(device, torch.float32)
+        if not torch.isfinite(part).all():
+            raise UserError(f"reward {label!r} returned NaN or inf for "
+                            f"{int((~torch.isfinite(part)).sum())} of {batch} samples")
+        return part
+
+    def update_stats(self, score: torch.Tensor) -> None:
+        """Merge a batch into the running statistics (Chan et al.'s parallel variance update)."""
+        if score.numel() == 0:
+            return
+        x = score.detach().to(self.score_mean.device, torch.float64)
+        n_a, n_b, mean_b = self.score_count.clone(), float(x.numel()), x.mean()
+        delta, n = mean_b - self.score_mean, n_a + n_b
+        self.score_mean += delta * n_b / n
+        self.score_m2 += ((x - mean_b) ** 2).sum() + delta ** 2 * n_a * n_b / n
+        self.score_count += n_b
+
+    def normalized(self, score: torch.Tensor) -> torch.Tensor:
+        """``(score - mean) / sqrt(var + EPS)`` under the running statistics (population variance)."""
+        mean, var = self.score_mean, self.score_m2 / self.score_count.clamp(min=1.0)
+        out = (score.double() - mean.to(score.device)) / torch.sqrt(var + self.EPS).to(score.device)
+        return out.to(score.dtype)
 
     @torch.no_grad()
     def forward(self, td):
-        batch = td.batch_size[0]
-        score = torch.zeros(batch, device=td.device)
+        score = torch.zeros(td.batch_size[0], device=td.device)
         for label, weight, module in zip(self.labels, self.weights, self.parts):
-            part = module(td)
-            if not isinstance(part, torch.Tensor) or part.shape != (batch,):
-                shape = tuple(part.shape) if isinstance(part, torch.Tensor) else type(part).__name__
-                raise UserError(f"reward {label!r} returned {shape}; expected a tensor of shape ({batch},)")
-            part = part.to(score.device, torch.float32)
-            if not torch.isfinite(part).all():
-                raise UserError(f"reward {label!r} returned NaN or inf for "
-                                f"{int((~torch.isfinite(part)).sum())} of {batch} samples")
+            part = self._part(label, module, td, score.device)
             td.set((schema.SCORE_PARTS, label), part)
-            score += weight * part
+            score = score + weight * part
+        if self.normalize:
+            self.update_stats(score)  # this batch counts before it is normalised
+            score = self.normalized(score)
+        if self.clip is not None:
+            score = score.clamp(-self.clip, self.clip)
         td.set(schema.SCORE, score)
         return td

@@ -1,0 +1,169 @@
+"""Plots and a short text summary of a run's ``metrics.jsonl`` (``rlpipe report RUN_DIR``).
+
+matplotlib is an optional extra (``pip install rlpipe[report]``), imported only when plotting.
+A resumed run may log a step twice; the last row for a step wins.
+
+>>> paths = write_report(Path("runs/tiny"))   # doctest: +SKIP
+>>> [p.name for p in paths][:2]               # doctest: +SKIP
+['overview.png', 'reward.png']
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+from rlpipe.core.errors import UserError
+
+
+class Panel(NamedTuple):
+    """One plot: metrics on the left axis (a key ending in ``/`` means every key with that prefix),
+    optionally others on a second, right-hand axis."""
+
+    name: str
+    title: str
+    left: tuple[str, ...]
+    ylabel: str
+    right: tuple[str, ...] = ()
+    right_label: str = ""
+
+
+PANELS = (
+    Panel("reward", "Reward (total and per component)", ("reward/score", "reward/"), "mean reward"),
+    Panel("kl", "KL to the reference and its coefficient", ("kl/ref",), "KL per sample",
+          ("kl/coef",), "kl/coef (β)"),
+    Panel("length", "Response length", ("response/length",), "tokens",
+          ("response/finished_frac",), "finished fraction"),
+    Panel("clipfrac", "Policy clip fraction", ("policy/clipfrac",), "fraction of tokens"),
+    Panel("value_loss", "Value loss", ("value/loss",), "loss"),
+    Panel("explained_var", "Value explained variance", ("value/explained_var",), "explained variance"),
+    Panel("entropy", "Policy entropy", ("policy/entropy",), "nats per token"),
+    Panel("throughput", "Throughput", ("perf/tokens_per_s",), "response tokens / s"),
+)
+
+
+def load_metrics(run_dir: Path) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl``, one per step, sorted by step (last row per step wins)."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not run_dir.is_dir():
+        raise UserError(f"run directory not found: {run_dir}")
+    if not path.is_file():
+        raise UserError(f"no metrics.jsonl in {run_dir}: not a run directory, or no step finished yet")
+    rows = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise UserError(f"{path}:{lineno}: expected a JSON object with an integer 'step'")
+            rows[row["step"]] = row
+    if not rows:
+        raise UserError(f"{path} is empty: no step finished yet")
+    return [rows[step] for step in sorted(rows)]
+
+
+def _series(rows: list[dict], key: str) -> list[float]:
+    """One metric per row; NaN where absent, null (non-finite when logged) or not a number."""
+    values = (row.get(key) for row in rows)
+    return [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+            for v in values]
+
+
+def _finite(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """``(step, value)`` for the rows where ``key`` has a finite value."""
+    return [(row["step"], v) for row, v in zip(rows, _series(rows, key)) if math.isfinite(v)]
+
+
+def _expand(patterns: tuple[str, ...], rows: list[dict]) -> list[str]:
+    """Metric names matching ``patterns`` (``"reward/"`` = every ``reward/...``) with a finite value."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    out = []
+    for pattern in patterns:
+        matches = [c for c in columns if c.startswith(pattern)] if pattern.endswith("/") else [pattern]
+        out += [c for c in matches if c not in out and _finite(rows, c)]
+    return out
+
+
+def _draw(ax, rows: list[dict], panel: Panel) -> None:
+    """Plot ``panel`` on the matplotlib axes ``ax``: left series solid (the first one wider, under
+    the others, so a component equal to the total stays visible), right series dashed."""
+    steps = [row["step"] for row in rows]
+    style = {"marker": "o", "markersize": 3} if len(rows) <= 50 else {}
+    left, right = _expand(panel.left, rows), _expand(panel.right, rows)
+    lines = [ax.plot(steps, _series(rows, k), color=f"C{i}", label=k,
+                     linewidth=3 if i == 0 and len(left) > 1 else 1.5, **style)[0]
+             for i, k in enumerate(left)]
+    if right:
+        twin = ax.twinx()
+        lines += [twin.plot(steps, _series(rows, k), color=f"C{len(left) + i}", linestyle="--",
+                            label=k, **style)[0] for i, k in enumerate(right)]
+        twin.set_ylabel(panel.right_label)
+    ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel)
+    ax.grid(True, alpha=0.3)
+    if len(lines) > 1:
+        ax.legend(handles=lines, fontsize="small", loc="best")
+
+
+def _figure_class():
+    """matplotlib's `Figure` (Agg canvas, no pyplot global state), or a UserError naming the extra."""
+    try:
+        import matplotlib.figure
+    except ImportError:
+        raise UserError("rlpipe report needs matplotlib: pip install matplotlib (or rlpipe[report])") from None
+    return matplotlib.figure.Figure
+
+
+def write_report(run_dir: Path) -> list[Path]:
+    """Write ``run_dir/report/overview.png`` (every panel) and one PNG per panel; returns their paths.
+
+    Panels whose metrics the run did not log (``value/*`` for critic-free runs) are left out.
+    """
+    run_dir = Path(run_dir)
+    rows = load_metrics(run_dir)
+    panels = [p for p in PANELS if _expand(p.left, rows)]
+    if not panels:
+        raise UserError(f"{run_dir / 'metrics.jsonl'}: none of the plotted metrics were logged")
+    Figure = _figure_class()
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    nrows = math.ceil(len(panels) / 2)
+    fig = Figure(figsize=(12, 3.4 * nrows), layout="constrained")
+    fig.suptitle(f"{run_dir.name}: {len(rows)} steps")
+    grid = fig.subplots(nrows, 2, squeeze=False).flat
+    for ax, panel in zip(grid, panels):
+        _draw(ax, rows, panel)
+    for ax in list(grid):                    # the empty cell of an odd panel count
+        ax.set_visible(False)
+    paths = [out / "overview.png"]
+    fig.savefig(paths[0], dpi=100)
+    for panel in panels:
+        fig = Figure(figsize=(6.4, 3.6), layout="constrained")
+        _draw(fig.subplots(), rows, panel)
+        paths.append(out / f"{panel.name}.png")
+        fig.savefig(paths[-1], dpi=100)
+    return paths
+
+
+def summary(run_dir: Path) -> str:
+    """A few lines: steps, reward/score first -> last and best, final kl/ref, mean tokens/s, time."""
+    rows = load_metrics(run_dir)
+    lines = [f"{run_dir}: {len(rows)} steps ({rows[0]['step']}-{rows[-1]['step']})"]
+    if score := _finite(rows, "reward/score"):
+        best = max(score, key=lambda p: p[1])
+        lines.append(f"reward/score       {score[0][1]:.4g} -> {score[-1][1]:.4g}"
+                     f"  (best {best[1]:.4g} at step {best[0]})")
+    if kl := _finite(rows, "kl/ref"):
+        lines.append(f"kl/ref             {kl[-1][1]:.4g} (final)")
+    if tps := _finite(rows, "perf/tokens_per_s"):
+        lines.append(f"perf/tokens_per_s  {sum(v for _, v in tps) / len(tps):.4g} (mean)")
+    if times := _finite(rows, "time/step_s"):
+        total = sum(v for _, v in times)
+        lines.append(f"time               {total:.1f} s ({total / 60:.1f} min) over {len(times)} steps")
+    return "\n".join(lines)

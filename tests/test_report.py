@@ -1,0 +1,166 @@
+"""`rlpipe report` on a real tiny run (readable, non-blank PNGs; a summary), its errors, and the
+optional TensorBoard / Weights & Biases sinks of `MetricsWriter` (faked or hidden via sys.modules,
+so these tests run whether or not tensorboard and wandb are installed)."""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from rlpipe.cli import main
+from rlpipe.core.errors import UserError
+from rlpipe.core.metrics import MetricsWriter
+from rlpipe.core.report import summary, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_PANELS = {"overview", "reward", "kl", "length", "clipfrac", "value_loss", "explained_var",
+              "entropy", "throughput"}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A 3-step run of the tiny example (GAE, so with a critic)."""
+    from rlpipe.core.config import load_config
+    from rlpipe.core.pipeline import train
+
+    out = tmp_path_factory.mktemp("report") / "run"
+    return train(load_config(ROOT / "examples/tiny/config.yaml",
+                             [f"run.output_dir={out}", "run.steps=3"]), progress=False)
+
+
+def write_rows(path: Path, rows: list) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def cli_error(*args) -> str:
+    result = CliRunner().invoke(main, ["report", *map(str, args)])
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_report_of_a_tiny_run_writes_readable_pngs_and_a_summary(run_dir):
+    from matplotlib.image import imread
+
+    result = CliRunner().invoke(main, ["report", str(run_dir)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "3 steps" in result.output and "reward/score" in result.output
+    paths = [Path(line) for line in result.output.splitlines() if line.endswith(".png")]
+    assert {p.stem for p in paths} == ALL_PANELS
+    for path in paths:
+        assert path.parent == run_dir / "report" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        pixels = imread(path)
+        assert pixels.shape[0] >= 300 and pixels.shape[1] >= 600, (path, pixels.shape)
+        assert pixels[..., :3].var() > 0, f"{path} is blank"
+
+
+def test_critic_free_run_with_nulls_and_a_repeated_step(tmp_path):
+    rows = [{"step": 1, "reward/score": -1.0, "reward/length": -1.0, "kl/ref": None, "kl/coef": 0.05,
+             "perf/tokens_per_s": 100.0, "time/step_s": 2.0},
+            {"step": 2, "reward/score": 9.0, "kl/ref": 0.1, "time/step_s": 2.0},   # replaced below
+            {"step": 2, "reward/score": 0.5, "kl/ref": 0.2, "perf/tokens_per_s": 300.0, "time/step_s": 3.0}]
+    run = write_rows(tmp_path / "run", rows)
+    names = {p.stem for p in write_report(run)}
+    assert names == {"overview", "reward", "kl", "throughput"}          # no value/*, no policy/*
+    text = summary(run)
+    assert "2 steps" in text and "-1 -> 0.5" in text and "best 0.5 at step 2" in text
+    assert "0.2 (final)" in text and "200 (mean)" in text and "5.0 s" in text
+
+
+def test_report_errors_are_one_line(tmp_path):
+    assert "run directory not found" in cli_error(tmp_path / "nope")
+    assert "no metrics.jsonl" in cli_error(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert "is empty" in cli_error(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "kl/ref": 0.1}\n{"step": 2, "kl/r')
+    assert "metrics.jsonl:2: not valid JSON" in cli_error(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"kl/ref": 0.1}\n')
+    assert "metrics.jsonl:1: expected a JSON object with an integer 'step'" in cli_error(tmp_path)
+
+
+def test_report_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    run = write_rows(tmp_path / "run", [{"step": 1, "reward/score": 0.0}])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(UserError, match=r"pip install matplotlib \(or rlpipe\[report\]\)"):
+        write_report(run)
+
+
+class FakeSummaryWriter:
+    instances = []
+
+    def __init__(self, log_dir):
+        self.log_dir, self.scalars, self.closed = log_dir, [], False
+        FakeSummaryWriter.instances.append(self)
+
+    def add_scalar(self, name, value, step):
+        self.scalars.append((name, value, step))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_tensorboard_sink_writes_scalars_per_step(tmp_path, monkeypatch):
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = FakeSummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    with MetricsWriter(tmp_path / "metrics.jsonl", 2, progress=False, tensorboard=True) as w:
+        w.write({"step": 4, "reward/score": 0.5, "kl/ref": float("nan"), "note": "x"})
+    tb = FakeSummaryWriter.instances[-1]
+    assert tb.log_dir == str(tmp_path / "tensorboard") and tb.closed
+    assert tb.scalars == [("reward/score", 0.5, 4)]                    # no step, NaN or text
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["kl/ref"] is None
+
+
+def test_tensorboard_not_installed(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(UserError, match="pip install tensorboard"):
+        MetricsWriter(tmp_path / "metrics.jsonl", 1, progress=False, tensorboard=True)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def fake_wandb(monkeypatch) -> list:
+    """Install a fake `wandb` module; returns the list of (init kwargs, run) it records."""
+    calls = []
+
+    def init(**kwargs):
+        run = types.SimpleNamespace(logged=[], finished=False)
+        run.log = lambda data, step: run.logged.append((data, step))
+        run.finish = lambda: setattr(run, "finished", True)
+        calls.append((kwargs, run))
+        return run
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    return calls
+
+
+def test_wandb_sink_is_offline_without_an_api_key(tmp_path, monkeypatch):
+    calls = fake_wandb(monkeypatch)
+    for var in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    with MetricsWriter(tmp_path / "metrics.jsonl", 1, progress=False, wandb=True) as w:
+        w.write({"step": 1, "reward/score": 0.5})
+    kwargs, run = calls[-1]
+    assert kwargs == {"project": "rlpipe", "name": tmp_path.name, "dir": str(tmp_path), "mode": "offline"}
+    assert run.logged == [({"reward/score": 0.5}, 1)] and run.finished
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    MetricsWriter(tmp_path / "metrics.jsonl", 1, progress=False, wandb=True, wandb_project="p",
+                  run_name="r").close()
+    assert calls[-1][0] == {"project": "p", "name": "r", "dir": str(tmp_path), "mode": "disabled"}
+
+
+def test_wandb_not_installed(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(UserError, match="pip install wandb"):
+        MetricsWriter(tmp_path / "metrics.jsonl", 1, progress=False, wandb=True)

@@ -1,0 +1,145 @@
+"""The trainer: LoRA with an adapter-disabled reference, critic warm-up, NaN guard, target KL,
+KL as a loss term, schedules, checkpoint and exact resume, and the exported policy."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM
+
+from rlpipe.core import checkpoint
+from rlpipe.core import schema as S
+from rlpipe.core.config import load_config
+from rlpipe.core.models import response_logprobs
+from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.update import TrainingDiverged
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
+LORA = ["models.actor.lora={r: 4, alpha: 8}"]
+
+
+def tiny(run_dir, *overrides):
+    return load_config(TINY, [f"run.output_dir={run_dir}", "run.steps=2", *overrides])
+
+
+def params(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def same(a, b):
+    return all(torch.equal(a[n], b[n]) for n in a)
+
+
+def rows(run_dir):
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lora_reference_is_the_initial_actor_with_adapters_disabled(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, *LORA, "train.lr=0.05"), progress=False)
+    actor = pipe.models.actor
+    assert pipe.models.frozen_reference is None  # no second copy of the weights
+    assert all("lora_" in n for n, p in actor.named_parameters() if p.requires_grad)
+    batch = pipe.plugins.collector.collect(["Hello there", "The sky is"])
+    inputs = [batch[k] for k in (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)]
+    with torch.no_grad():
+        initial, _ = response_logprobs(actor, *inputs)
+    pipe.train()
+    with torch.no_grad(), pipe.models.reference() as reference:
+        ref_now, _ = response_logprobs(reference, *inputs)
+    with torch.no_grad():
+        actor_now, _ = response_logprobs(actor, *inputs)
+    assert torch.allclose(ref_now, initial, atol=1e-6)
+    assert not torch.allclose(actor_now, initial, atol=1e-3)  # the adapters did learn
+    assert any("lora_" in n for n, _ in actor.named_parameters())  # export did not unload LoRA
+
+
+def test_final_folder_reloads_with_merged_lora(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, *LORA, "train.lr=0.05"), progress=False)
+    run_dir = pipe.train()
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "final").eval()
+    ids = torch.tensor([[1, 5, 9, 13, 20]])
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, pipe.models.actor(input_ids=ids).logits,
+                              atol=1e-4)
+
+
+def test_critic_warmup_leaves_the_actor_unchanged(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "train.critic_warmup_steps=1", "run.steps=1"), progress=False)
+    actor0, critic0 = params(pipe.models.actor), params(pipe.models.critic)
+    pipe.train()
+    assert same(actor0, params(pipe.models.actor))
+    assert not same(critic0, params(pipe.models.critic))
+
+
+class NaNLoss(torch.nn.Module):
+    """Wraps a loss and makes its objective NaN for the first ``n`` calls."""
+
+    def __init__(self, loss, n):
+        super().__init__()
+        self.loss, self.n = loss, n
+
+    def forward(self, td: TensorDict):
+        out = self.loss(td)
+        if self.n > 0:
+            self.n -= 1
+            out["loss_objective"] = out["loss_objective"] * float("nan")
+        return out
+
+
+def test_nan_minibatch_is_skipped_and_repeated_nan_stops(tmp_path):
+    cfg = tiny(tmp_path / "a", "run.steps=1", "train.epochs=1", "train.minibatches=2",
+               "train.max_bad_steps=2")
+    pipe = Pipeline(cfg, progress=False)
+    pipe.updater.loss = NaNLoss(pipe.updater.loss, n=1)
+    _, metrics = pipe.step()
+    assert metrics["train/skipped_minibatches"] == 1
+    assert all(torch.isfinite(p).all() for p in pipe.models.actor.parameters())
+    pipe.updater.loss.n = 2
+    with pytest.raises(TrainingDiverged, match="2 consecutive minibatches"):
+        pipe.step()
+
+
+def test_target_kl_stops_the_epochs(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "train.target_kl=0.0", "train.lr=0.01", "train.epochs=4"),
+                    progress=False)
+    pipe.step()  # first step: ratio 1 on the first minibatch, approx_kl 0: no stop yet possible
+    _, metrics = pipe.step()
+    assert metrics["train/early_stopped"] == 1
+
+
+def test_kl_as_loss_term(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "kl.in=loss", "kl.estimator=k3", "kl.coef=0.5"), progress=False)
+    pipe.step()
+    batch, metrics = pipe.step()
+    reward_total = batch[S.REWARD].sum(-1)
+    assert torch.allclose(reward_total, batch[S.SCORE])  # no KL in the reward
+    assert metrics["loss/kl"] > 0
+
+
+def test_cosine_schedule_with_warmup(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "train.schedule=cosine", "train.warmup_steps=2",
+                         "train.lr=0.001"), progress=False)
+    sched = pipe.updater.scheds["actor"]
+    lrs = []
+    for _ in range(2 * 2 * 2):  # steps x epochs x minibatches
+        lrs.append(sched.get_last_lr()[0])
+        sched.step()
+    assert lrs[0] == pytest.approx(0.001 / 3) and lrs[1] == pytest.approx(0.002 / 3)
+    assert lrs[2] == pytest.approx(0.001) and lrs[-1] < lrs[3] < lrs[2]
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    common = ["checkpoint.every=1", "checkpoint.keep=2", "run.steps=4"]
+    full = Pipeline(tiny(tmp_path / "full", *common), progress=False).train()
+    Pipeline(tiny(tmp_path / "cut", *common[:2], "run.steps=2"), progress=False).train()
+    # a half-written checkpoint from a kill is ignored
+    (tmp_path / "cut" / "checkpoints" / ".tmp-step-000003").mkdir()
+    (tmp_path / "cut" / "checkpoints" / "step-000009").mkdir()
+    assert checkpoint.latest(tmp_path / "cut").name == "step-000002"
+    Pipeline(tiny(tmp_path / "cut", *common), progress=False, resume=True).train()
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
+                        for r in rs]
+    assert strip(rows(tmp_path / "cut")) == strip(rows(full))
+    assert [p.name for p in checkpoint.complete(tmp_path / "cut")] == ["step-000003", "step-000004"]
