@@ -22,6 +22,7 @@ from rlpipe.core.context import RunContext
 from rlpipe.core.data import PromptStream, load_prompts
 from rlpipe.core.metrics import MetricsWriter, to_float
 from rlpipe.core.models import response_logprobs, response_values
+from rlpipe.core.ops import masked_mean
 from rlpipe.core.update import Updater
 
 S = schema
@@ -71,6 +72,15 @@ class Pipeline:
         for key, parts in out.items():
             td[key] = torch.cat(parts)
 
+    @staticmethod
+    def _engine_gap(batch: TensorDict) -> dict:
+        """Mean |engine log-prob - trainer log-prob| over response tokens, when the collector
+        reports engine log-probs: the canary for stale or wrongly synced weights."""
+        if S.ENGINE_LOG_PROB not in batch.keys():
+            return {}
+        gap = (batch[S.ENGINE_LOG_PROB] - batch[S.OLD_LOG_PROB]).abs()
+        return {"collector/logprob_gap": to_float(masked_mean(gap, batch[S.RESPONSE_MASK]))}
+
     def step(self) -> tuple[TensorDict, dict]:
         """One PPO step; returns the batch and the step's metrics."""
         t0 = time.perf_counter()
@@ -82,6 +92,7 @@ class Pipeline:
         mask = batch[S.RESPONSE_MASK]
         # 2. log-probs of the sampling policy and the reference, values of the critic
         self._score_tokens(batch)
+        engine_gap = self._engine_gap(batch)
         # 3. rewards: every reward plugin, weighted and summed into the sequence score
         self.plugins.rewards(batch)
         self._check(batch, [S.OLD_LOG_PROB, S.REF_LOG_PROB, S.VALUE, S.SCORE], "rewards")
@@ -110,7 +121,7 @@ class Pipeline:
         metrics = {
             "reward/score": to_float(batch[S.SCORE]),
             **{f"reward/{k}": to_float(v) for k, v in batch[S.SCORE_PARTS].items()},
-            "kl/ref": seq_kl, "kl/coef": coef, **update_metrics,
+            "kl/ref": seq_kl, "kl/coef": coef, **engine_gap, **update_metrics,
             "response/length": to_float(mask.sum(-1).float()),
             "response/finished_frac": to_float(batch[S.FINISHED].float()),
             "perf/tokens_per_s": float(mask.sum()) / elapsed,

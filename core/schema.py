@@ -25,6 +25,7 @@ PROMPT_TEXT = "prompt_text"      # [B] non-tensor str
 RESPONSE_TEXT = "response_text"  # [B] non-tensor str
 GROUP_ID = "group_id"            # [B] long: index of the prompt a sample came from
 FINISHED = "finished"            # [B] bool: ended with EOS (false: cut at max_new_tokens)
+ENGINE_LOG_PROB = "engine_log_prob"  # [B, R] float, optional: log-probs reported by the engine
 OLD_LOG_PROB = "old_log_prob"    # [B, R] float: log pi_old(a_t|s_t), trainer-side forward
 REF_LOG_PROB = "ref_log_prob"    # [B, R] float: log pi_ref(a_t|s_t)
 VALUE = "value"                  # [B, R] float: critic V(s_t) at rollout time, 0 on padding
@@ -45,13 +46,13 @@ NUM_SEQS = "num_seqs"            # [b] float: sequences in the whole minibatch (
 _SPEC = {
     PROMPT_IDS: (2, "int"), PROMPT_MASK: (2, "bool"),
     RESPONSE_IDS: (2, "int"), RESPONSE_MASK: (2, "bool"),
-    GROUP_ID: (1, "int"), FINISHED: (1, "bool"),
+    GROUP_ID: (1, "int"), FINISHED: (1, "bool"), ENGINE_LOG_PROB: (2, "float"),
     OLD_LOG_PROB: (2, "float"), REF_LOG_PROB: (2, "float"), VALUE: (2, "float"),
     SCORE: (1, "float"), REWARD: (2, "float"), ADVANTAGE: (2, "float"), VALUE_TARGET: (2, "float"),
     LOG_PROB: (2, "float"), ENTROPY: (2, "float"), VALUE_PRED: (2, "float"),
     NUM_TOKENS: (1, "float"), NUM_SEQS: (1, "float"),
 }
-_RESPONSE_SHAPED = {RESPONSE_MASK, OLD_LOG_PROB, REF_LOG_PROB, VALUE, REWARD, ADVANTAGE,
+_RESPONSE_SHAPED = {RESPONSE_MASK, ENGINE_LOG_PROB, OLD_LOG_PROB, REF_LOG_PROB, VALUE, REWARD, ADVANTAGE,
                     VALUE_TARGET, LOG_PROB, ENTROPY, VALUE_PRED}
 
 
