@@ -232,7 +232,8 @@ class _Converter:
             if not isinstance(value, (str, Path)):
                 raise UserError(f"{key}: expected a path, got {type(value).__name__} {value!r}")
             path = Path(value).expanduser()
-            base = Path.cwd() if key in self.cli_keys else self.base_dir
+            from_cli = any(key == k or key.startswith(k + ".") for k in self.cli_keys)
+            base = Path.cwd() if from_cli else self.base_dir
             path = path if path.is_absolute() else (base / path).resolve()
             if not path.exists():
                 raise UserError(f"{key}: file not found: {path}")

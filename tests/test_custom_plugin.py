@@ -47,4 +47,5 @@ def test_pip_installed_plugin_is_listed_and_used(tmp_path):
     off = subprocess.run(rlpipe + ["config", str(config)], env=env, capture_output=True, text=True,
                          timeout=120)
     assert off.returncode == 2
-    assert off.stderr.strip() == "error: unknown advantage plugin 'reward_to_go'; available: gae"
+    assert off.stderr.strip() == ("error: unknown advantage plugin 'reward_to_go'; "
+                                  "available: gae, grpo, reinforce_pp, rloo")

@@ -25,11 +25,44 @@ from rlpipe.core.ops import masked_whiten
 from rlpipe.core.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE, VALUE_TARGET
 
 
+def _discount_matrix(discount: float, n: int, like: torch.Tensor) -> torch.Tensor:
+    """[n, n] matrix ``D[k, t] = discount ** (k - t)`` for ``k >= t``, else 0 (built in float64)."""
+    k = torch.arange(n, dtype=torch.float64)
+    matrix = (discount ** (k.unsqueeze(1) - k).clamp_min(0)).tril()
+    return matrix.to(dtype=like.dtype, device=like.device)
+
+
+def discounted_cumsum(x: torch.Tensor, discount: float, block: int = 32) -> torch.Tensor:
+    """Reverse discounted cumulative sum along the last dim of a [B, T] tensor:
+    ``out[:, t] = sum_{k >= t} discount ** (k - t) * x[:, k]``.
+
+    The same sums as the backward loop ``out_t = x_t + discount * out_{t+1}``, in blocks of
+    ``block`` steps: a [block, block] discount-matrix product gives the sums within each block,
+    a [T/block, T/block] one carries the block heads backwards across blocks. Every power of
+    ``discount`` is at most 1, so nothing overflows. On CUDA with TF32 matmuls enabled
+    (``torch.backends.cuda.matmul.allow_tf32``) float32 inputs lose precision.
+
+    >>> discounted_cumsum(torch.tensor([[1.0, 2.0, 4.0]]), 0.5, block=2).tolist()
+    [[3.0, 4.0, 4.0]]
+    """
+    batch, steps = x.shape
+    pad = -steps % block
+    blocks = (steps + pad) // block
+    x = (torch.nn.functional.pad(x, (0, pad)) if pad else x).reshape(batch, blocks, block)
+    within = x @ _discount_matrix(discount, block, x)
+    heads = within[..., 0] @ _discount_matrix(discount ** block, blocks, x)
+    next_heads = torch.nn.functional.pad(heads[:, 1:], (0, 1))
+    tail = discount ** torch.arange(block, 0, -1, dtype=torch.float64)  # the next head's weight
+    out = within.addcmul_(next_heads.unsqueeze(-1), tail.to(dtype=x.dtype, device=x.device))
+    return out.view(batch, blocks * block)[:, :steps]
+
+
 def masked_gae(reward: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, gamma: float,
                lmbda: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantage and value target, both [B, R] and 0 on padding, from [B, R] ``reward`` and
     ``value`` with a right-padded bool ``mask``. Reward and value are read on valid tokens only;
-    the episode ends at the last valid token (the value after it is 0).
+    the episode ends at the last valid token (the value after it is 0). The backward recursion
+    ``A_t = delta_t + gamma * lmbda * A_{t+1}`` runs as `discounted_cumsum` (no loop over R).
 
     >>> adv, target = masked_gae(torch.tensor([[1.0, 2.0]]), torch.tensor([[0.5, 7.0]]),
     ...                          torch.tensor([[True, False]]), gamma=1.0, lmbda=0.95)
@@ -37,14 +70,10 @@ def masked_gae(reward: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, ga
     ([[0.5, 0.0]], [[1.0, 0.0]])
     """
     value = torch.where(mask, value, 0)
-    next_value = torch.nn.functional.pad(value[:, 1:], (0, 1))
-    delta = torch.where(mask, reward + gamma * next_value - value, 0)
-    advantage = torch.empty_like(delta)
-    running = delta.new_zeros(delta.shape[0])
-    for t in reversed(range(delta.shape[1])):
-        running = delta[:, t] + gamma * lmbda * running
-        advantage[:, t] = running
-    return advantage, advantage + value
+    delta = torch.where(mask, reward, 0).sub_(value)
+    delta[:, :-1].add_(value[:, 1:], alpha=gamma)  # + gamma * V(t+1); 0 after the last token
+    advantage = discounted_cumsum(delta, gamma * lmbda)
+    return advantage, value.add_(advantage)  # value is our masked copy: the target in place
 
 
 class GAE(TensorDictModuleBase):

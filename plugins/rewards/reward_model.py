@@ -1,0 +1,134 @@
+"""Neural reward: a frozen Hugging Face sequence classifier with one output scores prompt+response.
+
+The reward model brings its own tokenizer, which may differ from the policy's. Each sample is
+written with the tokenizer's chat template when it has one (user = prompt, assistant = response),
+else as the plain concatenation ``prompt + response``; ``rlpipe train-rm`` trains with exactly this
+formatting (`rm_inputs`). Sequences are right-padded, so a causal classifier (which reads the last
+non-pad token) sees the same positions in any batch, and cut to ``max_length`` tokens on the
+tokenizer's ``truncation_side``.
+
+Config keys: ``path`` (a model folder, e.g. the output of ``rlpipe train-rm``), ``batch_size``
+(16 sequences per forward), ``max_length`` (512), ``dtype`` (``float32`` or ``bfloat16``),
+``offload`` (false; true: the model waits on CPU and moves to the run's device only to score)::
+
+    rewards:
+      - {name: reward_model, path: runs/reward_model, weight: 1.0}
+      - {name: length, max_tokens: 200}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from rlpipe.core.context import RunContext
+from rlpipe.core.errors import UserError
+from rlpipe.core.models import load_tokenizer
+from rlpipe.core.rewards import batch_texts
+from rlpipe.core.schema import PROMPT_TEXT, RESPONSE_TEXT
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_rm_tokenizer(path: Path):
+    """The reward model's tokenizer, right-padded; with no pad token it pads with EOS (or UNK)."""
+    tokenizer = load_tokenizer(path)
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.eos_token or tokenizer.unk_token
+        if fallback is None:
+            raise UserError(f"{path}: the tokenizer has no pad, eos or unk token to pad with")
+        tokenizer.pad_token = fallback
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def rm_inputs(tokenizer, prompts: list[str], responses: list[str], max_length: int):
+    """Tokenized prompt+response pairs (``input_ids``, ``attention_mask``), right-padded.
+
+    With a chat template the text is ``[user: prompt, assistant: response]`` and special tokens
+    are added only when the template does not already start with BOS; without one it is
+    ``prompt + response`` with the tokenizer's usual special tokens.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p},
+                                                {"role": "assistant", "content": r}], tokenize=False)
+                 for p, r in zip(prompts, responses)]
+        bos = tokenizer.bos_token
+        special = not (bos and texts and texts[0].startswith(bos))
+    else:
+        texts, special = [p + r for p, r in zip(prompts, responses)], True
+    return tokenizer(texts, add_special_tokens=special, padding=True, truncation=True,
+                     max_length=max_length, return_tensors="pt", return_token_type_ids=False)
+
+
+@torch.no_grad()
+def score_texts(model, tokenizer, prompts: list[str], responses: list[str], batch_size: int = 16,
+                max_length: int = 512) -> torch.Tensor:
+    """[N] float32 scores of a one-output classifier, on the model's device, in micro-batches."""
+    device = next(model.parameters()).device
+    scores = [torch.zeros(0, device=device)]
+    for i in range(0, len(prompts), batch_size):
+        enc = rm_inputs(tokenizer, prompts[i:i + batch_size], responses[i:i + batch_size], max_length)
+        scores.append(model(**enc.to(device)).logits[:, 0].float())
+    return torch.cat(scores)
+
+
+def load_classifier(path: Path, dtype: torch.dtype = torch.float32):
+    """A frozen, eval-mode ``AutoModelForSequenceClassification`` with exactly one output."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    if not (Path(path) / "config.json").is_file():
+        raise UserError(f"reward_model: {path}: not a Hugging Face model folder (no config.json)")
+    try:
+        labels = AutoConfig.from_pretrained(str(path)).num_labels
+        if labels != 1:
+            raise UserError(f"reward_model: {path}: the classifier has num_labels={labels}; a reward "
+                            f"model needs exactly one output (train one with `rlpipe train-rm`)")
+        model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"reward_model: {path}: cannot load the model: {exc}") from exc
+    return model.requires_grad_(False).eval()
+
+
+class RewardModel(nn.Module):
+    """Reward component: reads ``prompt_text`` and ``response_text``, returns [B] float32 scores.
+
+    The classifier is deliberately not a registered submodule: it stays out of ``state_dict()``
+    (checkpoints hold no frozen copy of it) and out of ``.to()`` (``offload`` decides where it
+    lives). Scores come back on the batch's device.
+    """
+
+    in_keys = [PROMPT_TEXT, RESPONSE_TEXT]
+
+    def __init__(self, path: Path, *, batch_size: int = 16, max_length: int = 512,
+                 dtype: Literal["float32", "bfloat16"] = "float32", offload: bool = False,
+                 ctx: RunContext | None = None):
+        super().__init__()
+        if batch_size < 1 or max_length < 1:
+            raise UserError(f"reward_model: batch_size and max_length must be >= 1, "
+                            f"got {batch_size} and {max_length}")
+        if dtype not in _DTYPES:
+            raise UserError(f"reward_model: dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        path = Path(path)
+        if not path.is_dir():
+            raise UserError(f"reward_model: model folder not found: {path}")
+        self.batch_size, self.max_length = batch_size, max_length
+        self.device = ctx.device if ctx is not None else torch.device("cpu")
+        self.home = torch.device("cpu") if offload else self.device
+        model = load_classifier(path, _DTYPES[dtype])
+        self.tokenizer = load_rm_tokenizer(path)
+        model.config.pad_token_id = self.tokenizer.pad_token_id
+        object.__setattr__(self, "classifier", model.to(self.home))  # unregistered, see above
+
+    def forward(self, td) -> torch.Tensor:
+        prompts, responses = batch_texts(td, PROMPT_TEXT), batch_texts(td, RESPONSE_TEXT)
+        model = self.classifier.to(self.device)  # a no-op unless offloaded
+        try:
+            scores = score_texts(model, self.tokenizer, prompts, responses, self.batch_size,
+                                 self.max_length)
+        finally:
+            model.to(self.home)
+        return scores.to(td.device or "cpu")
