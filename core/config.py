@@ -231,6 +231,10 @@ class _Converter:
         if tp is Path:
             if not isinstance(value, (str, Path)):
                 raise UserError(f"{key}: expected a path, got {type(value).__name__} {value!r}")
+            if isinstance(value, str) and value.startswith("pkg:"):  # a model shipped in a package
+                from rlpipe.core.sources import resolve_package_model
+
+                return resolve_package_model(value, key)
             path = Path(value).expanduser()
             from_cli = any(key == k or key.startswith(k + ".") for k in self.cli_keys)
             base = Path.cwd() if from_cli else self.base_dir
