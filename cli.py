@@ -9,6 +9,7 @@ and exits with status 2; ``--debug`` shows the Python traceback instead.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import click
@@ -26,7 +27,8 @@ def _user_errors(command):
         except UserError as exc:
             if debug:
                 raise
-            click.echo(f"error: {exc}", err=True)
+            if os.environ.get("RANK", "0") == "0":  # one message, not one per process
+                click.echo(f"error: {exc}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
@@ -54,12 +56,20 @@ def main():
 @_user_errors
 def run(config_path, overrides, overwrite, no_progress, resume):
     """Train with CONFIG (YAML); KEY=VALUE pairs override it, e.g. run.steps=20."""
+    from rlpipe.core import distributed
+    from rlpipe.core.build import check_run_dir
     from rlpipe.core.config import load_config
     from rlpipe.core.pipeline import train
 
-    run_dir = train(load_config(config_path, overrides), overwrite=overwrite,
-                    progress=not no_progress, resume=resume)
-    click.echo(f"run finished: {run_dir}  (metrics.jsonl, config.yaml, final/)")
+    cfg = load_config(config_path, overrides)
+    if cfg.distributed.nproc > 1 and not distributed.launched():
+        check_run_dir(cfg, overwrite, resume)  # user errors here, before any process starts
+        flags = [f for f, on in (("--overwrite", overwrite), ("--no-progress", no_progress),
+                                 ("--resume", resume)) if on]
+        sys.exit(distributed.launch(["run", config_path, *overrides, *flags], cfg.distributed.nproc))
+    run_dir = train(cfg, overwrite=overwrite, progress=not no_progress, resume=resume)
+    if not distributed.launched() or os.environ.get("RANK") == "0":
+        click.echo(f"run finished: {run_dir}  (metrics.jsonl, config.yaml, final/)")
 
 
 @main.command("config")

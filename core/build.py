@@ -40,16 +40,24 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False) -> Path:
-    """Create the run directory and write the resolved config; refuse to clobber an earlier run.
-    With ``resume`` an existing directory is kept as it is."""
+def check_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False) -> Path:
+    """The run directory; refuses a non-empty one unless resuming or overwriting (writes nothing)."""
     run_dir = Path(cfg.run.output_dir).expanduser().resolve()
-    if resume and run_dir.is_dir():
+    busy = run_dir.exists() and any(run_dir.iterdir())
+    if busy and not (overwrite or resume):
+        raise UserError(f"run directory {run_dir} is not empty; choose another "
+                        f"run.output_dir=..., pass --overwrite, or --resume to continue it")
+    return run_dir
+
+
+def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
+                    is_main: bool = True) -> Path:
+    """Create the run directory and write the resolved config (rank 0 only); refuse to clobber an
+    earlier run. With ``resume`` an existing directory is kept as it is."""
+    run_dir = check_run_dir(cfg, overwrite, resume)
+    if not is_main or (resume and run_dir.is_dir()):
         return run_dir
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not overwrite:
-            raise UserError(f"run directory {run_dir} is not empty; choose another "
-                            f"run.output_dir=... or pass --overwrite")
+    if run_dir.exists() and overwrite:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
@@ -101,6 +109,18 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
     if actor_cfg.lora is not None:
         return Models(apply_lora(actor, actor_cfg.lora, "CAUSAL_LM").eval(), None, critic, tokenizer)
     return Models(actor, frozen_copy(actor), critic, tokenizer)
+
+
+def shard_models(models: Models, cfg: Config) -> None:
+    """FSDP2-shard actor, critic and (``distributed.shard_frozen``) the frozen reference in place."""
+    from rlpipe.core.distributed import shard
+
+    bf16 = cfg.distributed.bf16
+    shard(models.actor, bf16)
+    if models.critic is not None:
+        shard(models.critic, bf16)
+    if models.frozen_reference is not None and cfg.distributed.shard_frozen:
+        shard(models.frozen_reference, bf16)
 
 
 @dataclass

@@ -7,7 +7,7 @@ never unpickles arbitrary objects.
 
 >>> import tempfile, pathlib, torch
 >>> d = pathlib.Path(tempfile.mkdtemp())
->>> _ = save(d, 3, {"actor": torch.nn.Linear(2, 2)}, {"step": 3}, keep=2)
+>>> _ = save(d, 3, {"actor": {"w": torch.zeros(2)}}, {"step": 3}, keep=2)
 >>> latest(d).name
 'step-000003'
 """
@@ -25,24 +25,23 @@ from rlpipe.core.errors import UserError
 MARKER = "COMPLETE"
 
 
-def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters that training changes (LoRA adapters only when the base is frozen), plus
-    buffers; contiguous CPU copies, as safetensors wants."""
+def trainable_state(module: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of ``full`` (the module's full state dict) that training changes: LoRA adapters
+    only when the base is frozen; contiguous CPU tensors, as safetensors wants."""
     names = {n for n, p in module.named_parameters() if p.requires_grad}
-    state = module.state_dict()
-    keep = {k: v for k, v in state.items() if k in names} if names else state
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in keep.items()}
+    keep = {k: v for k, v in full.items() if k in names} if names else full
+    return {k: v.detach().to("cpu").contiguous() for k, v in keep.items()}
 
 
-def save(run_dir: Path, step: int, modules: dict, state: dict, keep: int) -> Path:
-    """Write ``modules`` (name -> nn.Module) and ``state`` atomically; keep the newest ``keep``."""
+def save(run_dir: Path, step: int, weights: dict, state: dict, keep: int) -> Path:
+    """Write ``weights`` (name -> state dict) and ``state`` atomically; keep the newest ``keep``."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name, module in modules.items():
-        save_file(trainable_state(module), str(tmp / f"{name}.safetensors"))
+    for name, tensors in weights.items():
+        save_file(tensors, str(tmp / f"{name}.safetensors"))
     torch.save(state, tmp / "state.pt")
     (tmp / MARKER).write_text(str(step))
     shutil.rmtree(final, ignore_errors=True)
@@ -67,15 +66,18 @@ def latest(run_dir: Path) -> Path | None:
 
 
 def load(path: Path, modules: dict) -> dict:
-    """Load weights into ``modules`` (strict on the saved keys) and return the saved state."""
+    """Load weights into ``modules`` (plain or FSDP-sharded; strict on the saved keys) and return
+    the saved state."""
+    from rlpipe.core.distributed import load_full_state
+
     for name, module in modules.items():
         file = path / f"{name}.safetensors"
         if not file.is_file():
             raise UserError(f"checkpoint {path} has no {file.name}")
         saved = load_file(str(file))
-        missing = set(saved) - set(module.state_dict())
-        if missing:
+        unknown = set(saved) - {n for n, _ in module.named_parameters()}
+        if unknown:
             raise UserError(f"checkpoint {file} does not match the model: unknown keys such as "
-                            f"{sorted(missing)[0]!r} (was it written with another config?)")
-        module.load_state_dict(saved, strict=False)
+                            f"{sorted(unknown)[0]!r} (was it written with another config?)")
+        load_full_state(module, saved)
     return torch.load(path / "state.pt", weights_only=True)

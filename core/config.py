@@ -112,6 +112,13 @@ class ExportConfig:
 
 
 @dataclass
+class DistributedConfig:
+    nproc: int = 1                    # processes on this machine; > 1 launches torchrun itself
+    shard_frozen: bool = True         # FSDP-shard the frozen reference too (false: replicate it)
+    bf16: bool = False                # FSDP mixed precision: bf16 compute, fp32 weights and reduction
+
+
+@dataclass
 class LogConfig:
     progress: bool = True
     tensorboard: bool = False
@@ -158,6 +165,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict:
         """Plain nested dict, plugin sections flattened as in the YAML (what ``config.yaml`` holds)."""

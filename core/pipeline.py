@@ -10,16 +10,18 @@ PosixPath('.../runs/tiny')
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import build, checkpoint, kl, schema
+from rlpipe.core import build, checkpoint, distributed, kl, schema
 from rlpipe.core.config import Config
 from rlpipe.core.context import RunContext
 from rlpipe.core.data import PromptStream, load_prompts
+from rlpipe.core.errors import UserError
 from rlpipe.core.metrics import MetricsWriter, to_float
 from rlpipe.core.models import response_logprobs, response_values
 from rlpipe.core.ops import masked_mean
@@ -27,6 +29,12 @@ from rlpipe.core.update import Updater
 
 S = schema
 _INPUTS = (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)
+
+
+def _share(items: list, rank: int, world: int) -> list:
+    """This rank's contiguous share (gathering the shares in rank order restores the batch)."""
+    size = -(-len(items) // world)
+    return items[rank * size:(rank + 1) * size]
 
 
 class Pipeline:
@@ -40,9 +48,16 @@ class Pipeline:
         self.cfg, self.progress = cfg, progress and cfg.log.progress
         self.resume = resume or cfg.run.resume == "auto"
         build.seed_everything(cfg.run.seed)
-        self.device = build.resolve_device(cfg.run.device)
-        self.run_dir = build.prepare_run_dir(cfg, overwrite, self.resume)
+        self.dist, device_name = distributed.init(cfg.run.device)
+        self.device = build.resolve_device(device_name)
+        self.run_dir = build.prepare_run_dir(cfg, overwrite, self.resume, self.dist.is_main)
         self.models = build.build_models(cfg, self.device, build.needs_critic(cfg))
+        if self.dist.enabled:
+            if cfg.data.batch_size < self.dist.world:
+                raise UserError(f"data.batch_size={cfg.data.batch_size} gives some of the "
+                                f"{self.dist.world} processes no prompt; raise it")
+            build.shard_models(self.models, cfg)
+            build.seed_everything(cfg.run.seed + self.dist.rank)  # a sampling stream per rank
         self.ctx = RunContext(tokenizer=self.models.tokenizer, actor=self.models.actor,
                               device=self.device, seed=cfg.run.seed, run_dir=self.run_dir)
         self.plugins = build.build_plugins(cfg, self.ctx)
@@ -51,7 +66,8 @@ class Pipeline:
                                     cfg.data.shuffle, cfg.run.seed)
         self.kl_ctl = (kl.AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
                        if cfg.kl.target is not None else kl.FixedKLController(cfg.kl.coef))
-        self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device)
+        self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device,
+                               self.dist)
         self.step_count = 0
 
     def _check(self, td: TensorDict, keys, where: str) -> None:
@@ -84,18 +100,19 @@ class Pipeline:
     def step(self) -> tuple[TensorDict, dict]:
         """One PPO step; returns the batch and the step's metrics."""
         t0 = time.perf_counter()
-        # 1. collect: sample responses for a batch of prompts
+        # 1. collect: sample responses for this rank's share of a batch of prompts
         self.models.actor.eval()
-        batch = self.plugins.collector.collect(self.prompts.next_batch()).to(self.device)
+        prompts = _share(self.prompts.next_batch(), self.dist.rank, self.dist.world)
+        batch = self.plugins.collector.collect(prompts).to(self.device)
         self._check(batch, [*_INPUTS, S.GROUP_ID, S.FINISHED], "collector")
         t_rollout = time.perf_counter() - t0
-        mask = batch[S.RESPONSE_MASK]
         # 2. log-probs of the sampling policy and the reference, values of the critic
         self._score_tokens(batch)
-        engine_gap = self._engine_gap(batch)
         # 3. rewards: every reward plugin, weighted and summed into the sequence score
         self.plugins.rewards(batch)
         self._check(batch, [S.OLD_LOG_PROB, S.REF_LOG_PROB, S.VALUE, S.SCORE], "rewards")
+        batch = self.dist.gather(batch)  # every rank now holds the whole scored rollout
+        mask, engine_gap = batch[S.RESPONSE_MASK], self._engine_gap(batch)
         # 4. KL shaping: score on the last valid token, -beta * KL on every token
         kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], self.cfg.kl.estimator)
         kl_tok = kl_tok * mask
@@ -136,15 +153,17 @@ class Pipeline:
         return {"actor": m.actor, **({"critic": m.critic} if m.critic is not None else {})}
 
     def state_dict(self) -> dict:
-        """Everything but the weights: step, optimizers, schedulers, RNGs, KL, rewards, data."""
+        """Everything but the weights: step, optimizers, schedulers, RNGs (one per rank), KL,
+        reward statistics, data position. A collective under FSDP: call it on every rank."""
         import random
 
         p = self.prompts
+        rngs = self.dist.gather_object({"torch": torch.get_rng_state(), "python": random.getstate()})
         return {"step": self.step_count, "updater": self.updater.state_dict(),
                 "kl": self.kl_ctl.state_dict(), "rewards": self.plugins.rewards.state_dict(),
                 "data": {"generator": p.generator.get_state(), "order": list(p.order),
                          "position": p.position},
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+                "rng": rngs}
 
     def load_state_dict(self, state: dict) -> None:
         import random
@@ -156,8 +175,21 @@ class Pipeline:
         data = state["data"]
         self.prompts.generator.set_state(data["generator"])
         self.prompts.order, self.prompts.position = list(data["order"]), int(data["position"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
+        if len(state["rng"]) != self.dist.world:
+            raise UserError(f"checkpoint written by {len(state['rng'])} processes; resume it with "
+                            f"distributed.nproc={len(state['rng'])}")
+        rng = state["rng"][self.dist.rank]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+
+    def save_checkpoint(self) -> None:
+        """Gather full weights and states (all ranks), write them atomically (rank 0)."""
+        weights = {name: checkpoint.trainable_state(module, distributed.full_state(module))
+                   for name, module in self._modules().items()}
+        state = self.state_dict()
+        if self.dist.is_main:
+            checkpoint.save(self.run_dir, self.step_count, weights, state, self.cfg.checkpoint.keep)
+        self.dist.barrier()
 
     def _restore(self) -> None:
         """Continue from the newest complete checkpoint; drop metric rows written after it."""
@@ -166,9 +198,10 @@ class Pipeline:
             return
         self.load_state_dict(checkpoint.load(path, self._modules()))
         metrics = self.run_dir / "metrics.jsonl"
-        if metrics.is_file():
+        if metrics.is_file() and self.dist.is_main:
             lines = metrics.read_text().splitlines()[: self.step_count]
             metrics.write_text("".join(line + "\n" for line in lines))
+        self.dist.barrier()
 
     def save_final(self) -> Path:
         """``final/``: a ``save_pretrained`` folder of the policy (LoRA merged into a copy, or the
@@ -176,6 +209,13 @@ class Pipeline:
         import copy
 
         final, actor = self.run_dir / "final", self.models.actor
+        if self.dist.enabled:  # gather the shards; a sharded LoRA model exports its adapter
+            state = distributed.full_state(actor)
+            if self.dist.is_main:
+                actor.save_pretrained(final, state_dict=state)
+                self.models.tokenizer.save_pretrained(final)
+            self.dist.barrier()
+            return final
         if hasattr(actor, "merge_and_unload") and self.cfg.export.merge_lora:
             actor = copy.deepcopy(actor).merge_and_unload()  # a copy: the training model keeps LoRA
         actor.save_pretrained(final)
@@ -183,21 +223,23 @@ class Pipeline:
         return final
 
     def train(self) -> Path:
-        """Run the remaining steps, append metrics, checkpoint, save the final policy."""
-        cfg = self.cfg
+        """Run the remaining steps, append metrics (rank 0), checkpoint, save the final policy."""
+        cfg, log = self.cfg, self.cfg.log
         if self.resume:
             self._restore()
-        log = cfg.log
-        with MetricsWriter(self.run_dir / "metrics.jsonl", cfg.run.steps, self.progress,
-                           initial=self.step_count, tensorboard=log.tensorboard, wandb=log.wandb,
-                           wandb_project=log.wandb_project, run_name=self.run_dir.name) as writer:
+        writer = (MetricsWriter(self.run_dir / "metrics.jsonl", cfg.run.steps, self.progress,
+                                initial=self.step_count, tensorboard=log.tensorboard,
+                                wandb=log.wandb, wandb_project=log.wandb_project,
+                                run_name=self.run_dir.name)
+                  if self.dist.is_main else contextlib.nullcontext())
+        with writer:
             while self.step_count < cfg.run.steps:
                 _, metrics = self.step()
-                writer.write({"step": self.step_count, **metrics})
+                if self.dist.is_main:
+                    writer.write({"step": self.step_count, **metrics})
                 every = cfg.checkpoint.every
                 if every and (self.step_count % every == 0 or self.step_count == cfg.run.steps):
-                    checkpoint.save(self.run_dir, self.step_count, self._modules(),
-                                    self.state_dict(), cfg.checkpoint.keep)
+                    self.save_checkpoint()
         self.save_final()
         return self.run_dir
 

@@ -30,10 +30,12 @@ class TrainingDiverged(UserError):
 class Updater:
     """Owns the optimizers and schedulers of actor and critic and runs the PPO update."""
 
-    def __init__(self, cfg, models, loss, temperature: float, device: torch.device):
+    def __init__(self, cfg, models, loss, temperature: float, device: torch.device, dist=None):
+        from rlpipe.core.distributed import Dist
+
         t = cfg.train
         self.cfg, self.models, self.loss = cfg, models, loss
-        self.temperature, self.device = temperature, device
+        self.temperature, self.device, self.dist = temperature, device, dist or Dist()
         self.opts = {"actor": build.make_optimizer(models.actor, t.lr, t.weight_decay)}
         if models.critic is not None:
             self.opts["critic"] = build.make_optimizer(models.critic, t.critic_lr, t.weight_decay)
@@ -66,7 +68,8 @@ class Updater:
         names = [n for n in self.opts if n != "actor" or train_actor]
         norms = [torch.nn.utils.clip_grad_norm_(getattr(self.models, n).parameters(), max_norm)
                  for n in names]
-        finite = math.isfinite(loss_total) and all(torch.isfinite(x) for x in norms)
+        norms = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in norms]  # FSDP
+        finite = math.isfinite(loss_total) and all(bool(torch.isfinite(x)) for x in norms)
         if finite:
             for name in names:
                 self.opts[name].step()
@@ -85,46 +88,88 @@ class Updater:
             opt.zero_grad(set_to_none=True)
         return finite
 
-    def update(self, batch: TensorDict, train_actor: bool = True, kl_coef: float = 0.0) -> dict:
-        """Run the PPO epochs on ``batch``; returns metrics averaged over micro-batches."""
-        t = self.cfg.train
-        size = batch.batch_size[0]
+    def _minibatches(self, size: int):
+        """Global minibatch indices (the same permutation on every rank)."""
+        t, world = self.cfg.train, self.dist.world
         mb_size = math.ceil(size / t.minibatches)
-        sums: dict[str, float] = {}
-        count, skipped, stopped = 0, 0, False
+        if size % t.minibatches or mb_size < world * t.grad_accum:
+            raise UserError(f"train.minibatches={t.minibatches} must divide the {size} samples of a "
+                            f"step into minibatches of at least distributed.nproc x "
+                            f"train.grad_accum = {world * t.grad_accum} samples")
+        return torch.randperm(size, generator=self.shuffle).split(mb_size)
+
+    def _minibatch(self, mb: TensorDict, kl_coef: float) -> tuple[dict, dict]:
+        """Forward/backward this rank's slice of one minibatch in ``grad_accum`` micro-batches.
+        Returns the summed ``loss_*`` entries and token-weighted sums of the other metrics."""
+        t, d = self.cfg.train, self.dist
+        n = mb.batch_size[0]
+        # global counts / world: FSDP averages the ranks' gradients, we want their sum
+        mb[S.NUM_TOKENS] = (mb[S.RESPONSE_MASK].sum().float() / d.world).expand(n)
+        mb[S.NUM_SEQS] = torch.full((n,), n / d.world, device=self.device)
+        local = mb[d.rank::d.world]
+        losses: dict[str, float] = {}
+        weighted: dict[str, float] = {"tokens": 0.0}
+        for part in torch.arange(len(local)).tensor_split(t.grad_accum):
+            micro = local[part.to(self.device)]
+            out = flatten(self._micro_step(micro, kl_coef))
+            tokens = float(micro[S.RESPONSE_MASK].sum())
+            for k, v in out.items():
+                into, w = (losses, 1.0) if k.startswith("loss_") else (weighted, tokens)
+                into[k] = into.get(k, 0.0) + w * v
+            weighted["tokens"] += tokens
+        return losses, weighted
+
+    def update(self, batch: TensorDict, train_actor: bool = True, kl_coef: float = 0.0) -> dict:
+        """Run the PPO epochs on ``batch`` (the global rollout; each rank trains on its slice of
+        every minibatch). Returns ``loss/*`` averaged over minibatches and the loss module's other
+        metrics as token-weighted means over all micro-batches and ranks, so that neither depends
+        on how the batch is split. Skipped (non-finite) minibatches are left out of both."""
+        t, d = self.cfg.train, self.dist
+        losses: dict[str, float] = {}
+        weighted: dict[str, float] = {}
+        done, skipped, stopped = 0, 0, False
         for _ in range(t.epochs):
-            for idx in torch.randperm(size, generator=self.shuffle).split(mb_size):
-                mb = batch[idx.to(self.device)]
-                mb[S.NUM_TOKENS] = mb[S.RESPONSE_MASK].sum().float().expand(len(idx))
-                mb[S.NUM_SEQS] = torch.full((len(idx),), float(len(idx)), device=self.device)
-                loss_total, approx_kl, n_micro = 0.0, 0.0, 0
-                for micro in mb.split(math.ceil(len(idx) / t.grad_accum)):
-                    out = self._micro_step(micro, kl_coef)
-                    loss_total += float(out["loss_total"])
-                    for k, v in flatten(out).items():
-                        sums[k] = sums.get(k, 0.0) + v
-                    approx_kl += float(out.get(("policy", "approx_kl"), 0.0))
-                    count, n_micro = count + 1, n_micro + 1
-                skipped += not self._optimizer_step(train_actor, loss_total)
-                if t.target_kl is not None and approx_kl / n_micro > t.target_kl:
+            for idx in self._minibatches(batch.batch_size[0]):
+                mb_losses, mb_weighted = self._minibatch(batch[idx.to(self.device)], kl_coef)
+                agreed = d.mean({"loss": mb_losses["loss_total"], "tokens": mb_weighted["tokens"],
+                                 "approx_kl": mb_weighted.get("policy/approx_kl", 0.0)})
+                if self._optimizer_step(train_actor, agreed["loss"]):
+                    done += 1
+                    for total, part in ((losses, mb_losses), (weighted, mb_weighted)):
+                        for k, v in part.items():
+                            total[k] = total.get(k, 0.0) + v
+                else:
+                    skipped += 1
+                if t.target_kl is not None and agreed["approx_kl"] > t.target_kl * agreed["tokens"]:
                     stopped = True
                     break
             if stopped:
                 break
-        metrics = {k: v / count for k, v in sums.items() if not k.startswith("loss_")}
-        metrics.update({f"loss/{k[5:]}": v / count for k, v in sums.items() if k.startswith("loss_")})
+        losses, weighted = d.mean(losses), d.mean(weighted)
+        metrics = {f"loss/{k[5:]}": v / max(done, 1) for k, v in losses.items()}
+        tokens = max(weighted.pop("tokens", 0.0), 1.0)
+        metrics.update({k: v / tokens for k, v in weighted.items()})
         metrics.update({"train/skipped_minibatches": skipped, "train/early_stopped": int(stopped),
                         "train/lr": self.scheds["actor"].get_last_lr()[0]})
         return metrics
 
     def state_dict(self) -> dict:
-        return {"opts": {k: o.state_dict() for k, o in self.opts.items()},
-                "scheds": {k: s.state_dict() for k, s in self.scheds.items()},
+        """Full (unsharded, FQN-keyed) optimizer states; a collective under FSDP."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        opts = {k: get_optimizer_state_dict(getattr(self.models, k), o, options=full)
+                for k, o in self.opts.items()}
+        return {"opts": opts, "scheds": {k: s.state_dict() for k, s in self.scheds.items()},
                 "shuffle": self.shuffle.get_state(), "bad_in_a_row": self.bad_in_a_row}
 
     def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        full = StateDictOptions(full_state_dict=True)
         for k, o in self.opts.items():
-            o.load_state_dict(state["opts"][k])
+            set_optimizer_state_dict(getattr(self.models, k), o, optim_state_dict=state["opts"][k],
+                                     options=full)
             self.scheds[k].load_state_dict(state["scheds"][k])
         self.shuffle.set_state(state["shuffle"])
         self.bad_in_a_row = int(state["bad_in_a_row"])
