@@ -1,0 +1,44 @@
+"""The README's test command is exactly what CI runs, and its documented config keys exist."""
+
+import dataclasses
+import re
+import typing
+from pathlib import Path
+
+import pytest
+
+from rlpipe.core.config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_ci_runs_the_readme_test_command():
+    blocks = re.findall(r"```bash\n(.*?)\n```", README, re.S)
+    test_cmd = next(b for b in blocks if "pytest" in b)
+    ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line and not line.startswith(("#", "set ", "cd "))]
+    assert test_cmd.strip() in ci_lines
+
+
+DOCUMENTED = sorted(set(re.findall(r"`([a-z_]+\.[a-z_]+(?:\.[a-z_]+)?)`", README))
+                    - {"metrics.jsonl", "config.yaml", "pyproject.toml"})
+
+
+def _has_key(cls, dotted: str) -> bool:
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(cls)
+        fields = {f.metadata.get("yaml", f.name): f.name for f in dataclasses.fields(cls)}
+        if part not in fields:
+            return False
+        tp = hints[fields[part]]
+        options = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        cls = options[0] if options else tp
+    return True
+
+
+@pytest.mark.parametrize("key", [k for k in DOCUMENTED if k.split(".")[0] in
+                                 {f.name for f in dataclasses.fields(Config)}])
+def test_documented_config_keys_exist(key):
+    """Every dotted config key named in the README is a real key of the config tree."""
+    assert _has_key(Config, key), key
