@@ -99,22 +99,30 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
     actor_cfg, critic_cfg = cfg.models.actor, cfg.models.critic
     tokenizer = load_tokenizer(actor_cfg.path)
     actor = load_causal_lm(actor_cfg.path, actor_cfg.init, actor_cfg.dtype).to(device)
+    reference = frozen_copy(actor) if actor_cfg.lora is None else None
+    if actor_cfg.lora is not None:
+        actor = apply_lora(actor, actor_cfg.lora, "CAUSAL_LM").eval()
     critic = None
-    if need_critic:
+    if need_critic and critic_cfg.shared_backbone:
+        if critic_cfg.path is not None or critic_cfg.lora is not None:
+            raise UserError("models.critic.shared_backbone: the critic is the actor's backbone; "
+                            "do not also set models.critic.path or models.critic.lora")
+        critic = ValueModel.from_actor(actor, shared=True).to(device)
+    elif need_critic:
         critic = (ValueModel.from_actor(actor) if critic_cfg.path is None
                   else ValueModel.from_pretrained(critic_cfg.path, critic_cfg.init))
         if critic_cfg.lora is not None:
             critic.backbone = apply_lora(critic.backbone, critic_cfg.lora, None)
         critic = critic.to(device).eval()
-    if actor_cfg.lora is not None:
-        return Models(apply_lora(actor, actor_cfg.lora, "CAUSAL_LM").eval(), None, critic, tokenizer)
-    return Models(actor, frozen_copy(actor), critic, tokenizer)
+    return Models(actor, reference, critic, tokenizer)
 
 
 def shard_models(models: Models, cfg: Config) -> None:
     """FSDP2-shard actor, critic and (``distributed.shard_frozen``) the frozen reference in place."""
     from rlpipe.core.distributed import shard
 
+    if cfg.models.critic.shared_backbone:
+        raise UserError("models.critic.shared_backbone is not supported with distributed.nproc > 1")
     bf16 = cfg.distributed.bf16
     shard(models.actor, bf16)
     if models.critic is not None:
@@ -153,8 +161,13 @@ def needs_critic(cfg: Config) -> bool:
     return bool(getattr(registry.load("advantages", cfg.advantage.name), "needs_critic", True))
 
 
-def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float):
-    params = [p for p in module.parameters() if p.requires_grad]
+def trainable(module: torch.nn.Module, exclude: torch.nn.Module | None = None) -> list:
+    """Parameters that require grad, without those ``exclude`` owns (a shared backbone)."""
+    owned = {id(p) for p in exclude.parameters()} if exclude is not None else set()
+    return [p for p in module.parameters() if p.requires_grad and id(p) not in owned]
+
+
+def make_optimizer(params: list, lr: float, weight_decay: float):
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 

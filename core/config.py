@@ -59,6 +59,7 @@ class CriticConfig:
     path: Path | None = None   # None: a copy of the actor's backbone; else a model folder
     init: Literal["pretrained", "random"] = "pretrained"
     lora: LoraConfig | None = None
+    shared_backbone: bool = False  # a value head on the actor's own backbone (combined loss)
 
 
 @dataclass
@@ -98,6 +99,14 @@ class TrainConfig:
     target_kl: float | None = None    # stop a step's epochs once policy/approx_kl exceeds it
     critic_warmup_steps: int = 0      # the first PPO steps train the critic only
     max_bad_steps: int = 3            # consecutive non-finite steps before the run stops
+
+
+@dataclass
+class PtxConfig:
+    coef: float = 0.0                 # > 0: add coef x LM loss on `data` to each actor update
+    data: Path | None = None          # .txt (one text per line) or .jsonl (a "text" field)
+    batch_size: int = 4               # texts per optimizer step
+    max_tokens: int = 256
 
 
 @dataclass
@@ -162,6 +171,7 @@ class Config:
     reward: RewardSettings = field(default_factory=RewardSettings)
     kl: KLConfig = field(default_factory=KLConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    ptx: PtxConfig = field(default_factory=PtxConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -373,6 +383,8 @@ def load_config(path, overrides=()) -> Config:
         sections = getattr(cfg, key)
         for i, section in enumerate(sections if isinstance(sections, list) else [sections]):
             _check_plugin_args(section, f"{key}.{i}" if key == "rewards" else key, group, conv)
+    if cfg.ptx.coef > 0 and cfg.ptx.data is None:
+        raise UserError("ptx.data: required when ptx.coef > 0")
     labels = [r.key for r in cfg.rewards]
     if not labels:
         raise UserError("rewards: list at least one reward plugin")

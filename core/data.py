@@ -19,7 +19,8 @@ import torch
 from rlpipe.core.errors import UserError
 
 
-def load_prompts(path: Path) -> list[str]:
+def load_prompts(path: Path, field: str = "prompt") -> list[str]:
+    """Texts of a .txt file (one per non-empty line) or a .jsonl file (``field`` of each line)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"prompt file not found: {path}")
@@ -33,13 +34,13 @@ def load_prompts(path: Path) -> list[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise UserError(f"{path}:{n}: invalid JSON: {exc.msg}") from exc
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise UserError(f"{path}:{n}: expected an object with a string field 'prompt'")
-            prompts.append(row["prompt"])
+            if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                raise UserError(f"{path}:{n}: expected an object with a string field {field!r}")
+            prompts.append(row[field])
     else:
         prompts = [line for line in lines if line.strip()]
     if not prompts:
-        raise UserError(f"{path}: no prompts found")
+        raise UserError(f"{path}: no texts found")
     return prompts
 
 
@@ -64,3 +65,28 @@ class PromptStream:
             batch.append(self.prompts[self.order.pop(0)])
             self.position += 1
         return batch
+
+
+class PtxStream:
+    """Batches of pretraining/SFT text for the PPO-ptx language-modelling loss (InstructGPT's
+    remedy for the alignment tax); each process reads its own share."""
+
+    def __init__(self, cfg, tokenizer, dist):
+        texts = load_prompts(cfg.data, field="text")
+        self.stream = PromptStream(texts, cfg.batch_size * dist.world, shuffle=True, seed=1)
+        self.tokenizer, self.max_tokens, self.dist = tokenizer, cfg.max_tokens, dist
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+            else tokenizer.eos_token_id
+
+    def next_batch(self, device) -> dict[str, torch.Tensor]:
+        texts = self.stream.next_batch()[self.dist.rank::self.dist.world]
+        rows = [self.tokenizer(t, truncation=True, max_length=self.max_tokens)["input_ids"]
+                for t in texts]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        labels = ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
+                "labels": labels.to(device)}

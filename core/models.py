@@ -75,10 +75,12 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_actor(cls, actor) -> "ValueModel":
-        """A critic whose backbone starts as a copy of the actor's (the common RLHF choice)."""
-        backbone = copy.deepcopy(actor.base_model)
-        return cls(backbone, actor.config.hidden_size).to(next(actor.parameters()).dtype)
+    def from_actor(cls, actor, shared: bool = False) -> "ValueModel":
+        """A critic on the actor's backbone: a copy (the common RLHF choice), or with ``shared``
+        the very same modules (LoRA adapters included), trained by the combined loss."""
+        base = actor.get_base_model() if hasattr(actor, "get_base_model") else actor
+        backbone = base.base_model if shared else copy.deepcopy(base.base_model)
+        return cls(backbone, base.config.hidden_size).to(next(actor.parameters()).dtype)
 
     @classmethod
     def from_pretrained(cls, path: Path, init: str = "pretrained") -> "ValueModel":

@@ -26,7 +26,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from rlpipe.core.build import apply_lora, make_optimizer, resolve_device, seed_everything
+from rlpipe.core.build import (apply_lora, make_optimizer, resolve_device, seed_everything,
+                               trainable)
 from rlpipe.core.config import LoraConfig, build_section, read_config_file
 from rlpipe.core.errors import UserError
 from rlpipe.plugins.rewards.reward_model import load_rm_tokenizer, rm_inputs, score_texts
@@ -169,7 +170,7 @@ class RewardModelTrainer:
         pairs = load_pairs(cfg.data.pairs)
         self.train_pairs, self.eval_pairs = split_pairs(pairs, cfg.data.eval_fraction, cfg.train.seed)
         self.tokenizer, self.model = build_reward_model(cfg.model, self.device)
-        self.optimizer = make_optimizer(self.model, cfg.train.lr, cfg.train.weight_decay)
+        self.optimizer = make_optimizer(trainable(self.model), cfg.train.lr, cfg.train.weight_decay)
         self.shuffle = torch.Generator().manual_seed(cfg.train.seed)
         self.out_dir = _prepare_output(cfg.output_dir, overwrite)
 

@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from rlpipe.core import build, kl, schema
+from rlpipe.core.data import PtxStream
 from rlpipe.core.errors import UserError
 from rlpipe.core.metrics import flatten
 from rlpipe.core.models import response_logprobs, response_values
@@ -36,9 +37,12 @@ class Updater:
         t = cfg.train
         self.cfg, self.models, self.loss = cfg, models, loss
         self.temperature, self.device, self.dist = temperature, device, dist or Dist()
-        self.opts = {"actor": build.make_optimizer(models.actor, t.lr, t.weight_decay)}
-        if models.critic is not None:
-            self.opts["critic"] = build.make_optimizer(models.critic, t.critic_lr, t.weight_decay)
+        self.params = {"actor": build.trainable(models.actor)}
+        if models.critic is not None:  # a shared backbone is stepped by the actor's optimizer
+            self.params["critic"] = build.trainable(models.critic, exclude=models.actor)
+        lrs = {"actor": t.lr, "critic": t.critic_lr}
+        self.opts = {k: build.make_optimizer(p, lrs[k], t.weight_decay) for k, p in self.params.items()}
+        self.ptx = PtxStream(cfg.ptx, models.tokenizer, dist) if cfg.ptx.coef > 0 else None
         self.scheds = {k: build.make_scheduler(o, cfg) for k, o in self.opts.items()}
         self.shuffle = torch.Generator().manual_seed(cfg.run.seed)
         self.bad_in_a_row = 0
@@ -66,8 +70,7 @@ class Updater:
         """Clip, check for non-finite values, step. Returns False when the minibatch was skipped."""
         max_norm = self.cfg.train.max_grad_norm or float("inf")
         names = [n for n in self.opts if n != "actor" or train_actor]
-        norms = [torch.nn.utils.clip_grad_norm_(getattr(self.models, n).parameters(), max_norm)
-                 for n in names]
+        norms = [torch.nn.utils.clip_grad_norm_(self.params[n], max_norm) for n in names]
         norms = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in norms]  # FSDP
         finite = math.isfinite(loss_total) and all(bool(torch.isfinite(x)) for x in norms)
         if finite:
@@ -98,7 +101,7 @@ class Updater:
                             f"train.grad_accum = {world * t.grad_accum} samples")
         return torch.randperm(size, generator=self.shuffle).split(mb_size)
 
-    def _minibatch(self, mb: TensorDict, kl_coef: float) -> tuple[dict, dict]:
+    def _minibatch(self, mb: TensorDict, kl_coef: float, train_actor: bool) -> tuple[dict, dict]:
         """Forward/backward this rank's slice of one minibatch in ``grad_accum`` micro-batches.
         Returns the summed ``loss_*`` entries and token-weighted sums of the other metrics."""
         t, d = self.cfg.train, self.dist
@@ -117,6 +120,12 @@ class Updater:
                 into, w = (losses, 1.0) if k.startswith("loss_") else (weighted, tokens)
                 into[k] = into.get(k, 0.0) + w * v
             weighted["tokens"] += tokens
+        if self.ptx is not None and train_actor:  # PPO-ptx: LM loss on pretraining text
+            ptx_loss = self.models.actor(**self.ptx.next_batch(self.device), use_cache=False).loss
+            (self.cfg.ptx.coef * ptx_loss).backward()
+            losses["loss_ptx"] = self.cfg.ptx.coef * float(ptx_loss)
+            losses["loss_total"] += losses["loss_ptx"]
+            losses["policy/ptx_loss"] = float(ptx_loss)
         return losses, weighted
 
     def update(self, batch: TensorDict, train_actor: bool = True, kl_coef: float = 0.0) -> dict:
@@ -130,7 +139,8 @@ class Updater:
         done, skipped, stopped = 0, 0, False
         for _ in range(t.epochs):
             for idx in self._minibatches(batch.batch_size[0]):
-                mb_losses, mb_weighted = self._minibatch(batch[idx.to(self.device)], kl_coef)
+                mb_losses, mb_weighted = self._minibatch(batch[idx.to(self.device)], kl_coef,
+                                                        train_actor)
                 agreed = d.mean({"loss": mb_losses["loss_total"], "tokens": mb_weighted["tokens"],
                                  "approx_kl": mb_weighted.get("policy/approx_kl", 0.0)})
                 if self._optimizer_step(train_actor, agreed["loss"]):
@@ -146,7 +156,8 @@ class Updater:
             if stopped:
                 break
         losses, weighted = d.mean(losses), d.mean(weighted)
-        metrics = {f"loss/{k[5:]}": v / max(done, 1) for k, v in losses.items()}
+        metrics = {(f"loss/{k[5:]}" if k.startswith("loss_") else k): v / max(done, 1)
+                   for k, v in losses.items()}
         tokens = max(weighted.pop("tokens", 0.0), 1.0)
         metrics.update({k: v / tokens for k, v in weighted.items()})
         metrics.update({"train/skipped_minibatches": skipped, "train/early_stopped": int(stopped),

@@ -143,3 +143,25 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
                         for r in rs]
     assert strip(rows(tmp_path / "cut")) == strip(rows(full))
     assert [p.name for p in checkpoint.complete(tmp_path / "cut")] == ["step-000003", "step-000004"]
+
+
+def test_shared_backbone_critic_trains_with_the_actor(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "models.critic.shared_backbone=true", "run.steps=1"),
+                    progress=False)
+    m = pipe.models
+    backbone = {id(p) for p in m.actor.base_model.parameters()}
+    assert all(id(p) in backbone for p in m.critic.backbone.parameters())  # no second copy
+    assert {id(p) for p in pipe.updater.params["critic"]} == {id(p) for p in m.critic.head.parameters()}
+    head0, actor0 = params(m.critic.head), params(m.actor)
+    _, metrics = pipe.step()
+    assert not same(head0, params(m.critic.head)) and not same(actor0, params(m.actor))
+    assert metrics["value/loss"] > 0
+
+
+def test_ptx_language_modelling_loss(tmp_path):
+    (tmp_path / "ptx.txt").write_text("The weather is nice today.\nA short story about a cat.\n")
+    pipe = Pipeline(tiny(tmp_path / "run", "ptx.coef=0.5", f"ptx.data={tmp_path / 'ptx.txt'}",
+                         "ptx.batch_size=2"), progress=False)
+    _, metrics = pipe.step()
+    assert metrics["policy/ptx_loss"] > 0
+    assert metrics["loss/ptx"] == pytest.approx(0.5 * metrics["policy/ptx_loss"])
