@@ -19,26 +19,35 @@ import torch
 from rlpipe.core.errors import UserError
 
 
-def load_prompts(path: Path, field: str = "prompt") -> list[str]:
-    """Texts of a .txt file (one per non-empty line) or a .jsonl file (``field`` of each line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"prompt file not found: {path}")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    if path.suffix == ".jsonl":
-        prompts = []
-        for n, line in enumerate(lines, 1):
+def read_jsonl(path: Path):
+    """``(line number, object)`` for each non-blank line; invalid JSON or a non-object is a
+    `UserError` naming ``file:line``."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{n}: invalid JSON: {exc.msg}") from exc
-            if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                raise UserError(f"{path}:{n}: invalid JSON: {exc.msg}") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{n}: expected a JSON object")
+            yield n, row
+
+
+def load_prompts(path: Path, field: str = "prompt") -> list[str]:
+    """Texts of a .txt file (one per non-empty line) or a .jsonl file (``field`` of each line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"prompt file not found: {path}")
+    if path.suffix == ".jsonl":
+        prompts = []
+        for n, row in read_jsonl(path):
+            if not isinstance(row.get(field), str):
                 raise UserError(f"{path}:{n}: expected an object with a string field {field!r}")
             prompts.append(row[field])
     else:
-        prompts = [line for line in lines if line.strip()]
+        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not prompts:
         raise UserError(f"{path}: no texts found")
     return prompts

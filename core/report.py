@@ -10,11 +10,12 @@ A resumed run may log a step twice; the last row for a step wins.
 
 from __future__ import annotations
 
-import json
+
 import math
 from pathlib import Path
 from typing import NamedTuple
 
+from rlpipe.core.data import read_jsonl
 from rlpipe.core.errors import UserError
 
 
@@ -53,17 +54,10 @@ def load_metrics(run_dir: Path) -> list[dict]:
     if not path.is_file():
         raise UserError(f"no metrics.jsonl in {run_dir}: not a run directory, or no step finished yet")
     rows = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise UserError(f"{path}:{lineno}: expected a JSON object with an integer 'step'")
-            rows[row["step"]] = row
+    for lineno, row in read_jsonl(path):
+        if not isinstance(row.get("step"), int):
+            raise UserError(f"{path}:{lineno}: expected a JSON object with an integer 'step'")
+        rows[row["step"]] = row
     if not rows:
         raise UserError(f"{path} is empty: no step finished yet")
     return [rows[step] for step in sorted(rows)]

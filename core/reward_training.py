@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from rlpipe.core.build import (apply_lora, make_optimizer, resolve_device, seed_everything,
                                trainable)
 from rlpipe.core.config import LoraConfig, build_section, read_config_file
+from rlpipe.core.data import read_jsonl
 from rlpipe.core.errors import UserError
 from rlpipe.plugins.rewards.reward_model import load_rm_tokenizer, rm_inputs, score_texts
 
@@ -89,14 +90,8 @@ def load_rm_config(path, overrides=()) -> RMConfig:
 def load_pairs(path: Path) -> list[tuple[str, str, str]]:
     """``(prompt, chosen, rejected)`` per non-blank JSONL line; a bad line is an error naming it."""
     pairs = []
-    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
-        bad = [k for k in FIELDS if not isinstance(row, dict) or not isinstance(row.get(k), str)]
+    for lineno, row in read_jsonl(path):
+        bad = [k for k in FIELDS if not isinstance(row.get(k), str)]
         if bad:
             raise UserError(f"{path}:{lineno}: field {bad[0]!r} is missing or not a string "
                             f"(each line needs string fields {', '.join(FIELDS)})")

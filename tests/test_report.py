@@ -79,7 +79,7 @@ def test_report_errors_are_one_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     assert "is empty" in cli_error(tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "kl/ref": 0.1}\n{"step": 2, "kl/r')
-    assert "metrics.jsonl:2: not valid JSON" in cli_error(tmp_path)
+    assert "metrics.jsonl:2: invalid JSON" in cli_error(tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"kl/ref": 0.1}\n')
     assert "metrics.jsonl:1: expected a JSON object with an integer 'step'" in cli_error(tmp_path)
 
