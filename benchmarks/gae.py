@@ -16,12 +16,8 @@ machine and its load average before and after are printed and written with every
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -30,6 +26,7 @@ import torchrl
 from torchrl.objectives.value.functional import (generalized_advantage_estimate,
                                                  vec_generalized_advantage_estimate)
 
+from common import default_json, machine, now, sync, write_json
 from rlpipe.plugins.advantages.gae import masked_gae
 
 BATCH, LENGTH, MIN_LENGTH, GAMMA, LMBDA = 256, 1024, 256, 1.0, 0.95
@@ -89,16 +86,15 @@ def time_methods(inputs, reps: int, device: str) -> dict[str, list[float]]:
     """Milliseconds per call of each method after two warm-up calls each; the methods take
     turns, and the order rotates every repetition so that none always runs right after the
     Python loops (which leave the caches cold)."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for fn in METHODS.values():
         fn(*inputs), fn(*inputs)
     samples, names = {name: [] for name in METHODS}, list(METHODS)
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
-            sync()
+            sync(device)
             start = time.perf_counter()
             METHODS[name](*inputs)
-            sync()
+            sync(device)
             samples[name].append((time.perf_counter() - start) * 1e3)
     return samples
 
@@ -117,20 +113,6 @@ def max_errors(inputs) -> dict[str, float]:
     return errors
 
 
-def machine(device: str) -> dict:
-    model = platform.processor() or platform.machine()
-    if Path("/proc/cpuinfo").is_file():
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                 .splitlines() if line.startswith("model name")]
-        model = names[0] if names else model
-    info = {"cpu": model, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "torchrl": torchrl.__version__,
-            "python": platform.python_version(), "device": device}
-    if device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
 def report(samples, errors, info, load_before, load_after) -> dict:
     medians = {name: statistics.median(ms) for name, ms in samples.items()}
     base = medians["rlpipe masked_gae"]
@@ -138,12 +120,12 @@ def report(samples, errors, info, load_before, load_after) -> dict:
           f"{len(next(iter(samples.values())))} reps")
     gpu = f", {info['gpu']}" if "gpu" in info else ""
     print(f"machine: {info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, "
-          f"torch {info['torch']}, torchrl {info['torchrl']}{gpu}")
+          f"torch {info['torch']}, torchrl {info['torchrl']}{gpu}; {now()}")
     print("load average before: {:.2f} {:.2f} {:.2f}".format(*load_before))
-    print(f"| {'method':<42} | median ms | min ms | / rlpipe | max abs err |")
-    print(f"|{'-' * 44}|----------:|-------:|---------:|------------:|")
+    print(f"| {'method':<42} | median ms |   min ms | / rlpipe | max abs err |")
+    print(f"|{'-' * 44}|----------:|---------:|---------:|------------:|")
     for name, ms in samples.items():
-        print(f"| {name:<42} | {medians[name]:9.3f} | {min(ms):6.3f} | "
+        print(f"| {name:<42} | {medians[name]:9.3f} | {min(ms):8.3f} | "
               f"{medians[name] / base:8.1f} | {errors[name]:11.2e} |")
     print("load average after:  {:.2f} {:.2f} {:.2f}".format(*load_after))
     loop = medians["TRL-style Python loop"] / base
@@ -170,22 +152,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--device cuda: no CUDA device available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = args.out or Path(__file__).parent / "results" / (
-        "gae.json" if args.device == "cpu" else f"gae_{args.device.replace(':', '')}.json")
     inputs = make_batch(args.device)
-    info, load_before = machine(args.device), os.getloadavg()
+    info = {**machine(args.device), "torchrl": torchrl.__version__}
+    load_before = os.getloadavg()
     samples = time_methods(inputs, args.reps, args.device)
     load_after = os.getloadavg()
     result = report(samples, max_errors(inputs), info, load_before, load_after)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "command": " ".join(["python benchmarks/gae.py", *(sys.argv[1:] if argv is None
-                                                            else argv)]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    write_json(args.out or default_json("gae", args.device), {
         "shape": [BATCH, LENGTH], "min_length": MIN_LENGTH, "gamma": GAMMA, "lmbda": LMBDA,
-        "machine": info, "load_before": load_before, "load_after": load_after, **result},
-        indent=2) + "\n")
-    print(f"wrote {out}")
+        "machine": info, "load_before": load_before, "load_after": load_after, **result})
 
 
 if __name__ == "__main__":

@@ -240,8 +240,18 @@ def test_masked_gae_on_long_responses_matches_loop():
     torch.testing.assert_close(target, expected + masked_value, rtol=1e-12, atol=1e-12)
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread: on a small machine shared with other jobs, multi-threaded ops of a tiny
+    model stall on descheduled threads (seconds per step instead of a fraction of one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("name", ["gae", "grpo", "rloo", "reinforce_pp"])
-def test_tiny_run_with_each_estimator(tmp_path, name):
+def test_tiny_run_with_each_estimator(tmp_path, name, one_thread):
     cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "run.steps=1", "train.epochs=1",
                              f"advantage={{name: {name}}}", "collector.n=2"])
     pipe = Pipeline(cfg, progress=False)

@@ -16,6 +16,8 @@ cannot leak into valid tokens.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
@@ -25,11 +27,14 @@ from rlpipe.core.ops import masked_whiten
 from rlpipe.core.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE, VALUE_TARGET
 
 
-def _discount_matrix(discount: float, n: int, like: torch.Tensor) -> torch.Tensor:
-    """[n, n] matrix ``D[k, t] = discount ** (k - t)`` for ``k >= t``, else 0 (built in float64)."""
+@functools.lru_cache(maxsize=64)
+def _discount_matrix(discount: float, n: int, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    """[n, n] matrix ``D[k, t] = discount ** (k - t)`` for ``k >= t``, else 0, computed in
+    float64. Cached (no rebuild and no host-to-device copy per call): never modify it."""
     k = torch.arange(n, dtype=torch.float64)
     matrix = (discount ** (k.unsqueeze(1) - k).clamp_min(0)).tril()
-    return matrix.to(dtype=like.dtype, device=like.device)
+    return matrix.to(dtype=dtype, device=device)
 
 
 def discounted_cumsum(x: torch.Tensor, discount: float, block: int = 32) -> torch.Tensor:
@@ -49,11 +54,12 @@ def discounted_cumsum(x: torch.Tensor, discount: float, block: int = 32) -> torc
     pad = -steps % block
     blocks = (steps + pad) // block
     x = (torch.nn.functional.pad(x, (0, pad)) if pad else x).reshape(batch, blocks, block)
-    within = x @ _discount_matrix(discount, block, x)
-    heads = within[..., 0] @ _discount_matrix(discount ** block, blocks, x)
+    matrix = _discount_matrix(discount, block, x.dtype, x.device)
+    within = x @ matrix
+    heads = within[..., 0] @ _discount_matrix(discount ** block, blocks, x.dtype, x.device)
     next_heads = torch.nn.functional.pad(heads[:, 1:], (0, 1))
-    tail = discount ** torch.arange(block, 0, -1, dtype=torch.float64)  # the next head's weight
-    out = within.addcmul_(next_heads.unsqueeze(-1), tail.to(dtype=x.dtype, device=x.device))
+    tail = matrix[-1] * discount  # discount ** (block - t): the next block head's weight
+    out = within.addcmul_(next_heads.unsqueeze(-1), tail)
     return out.view(batch, blocks * block)[:, :steps]
 
 
