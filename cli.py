@@ -27,8 +27,8 @@ def _user_errors(command):
         except UserError as exc:
             if debug:
                 raise
-            if os.environ.get("RANK", "0") == "0":  # one message, not one per process
-                click.echo(f"error: {exc}", err=True)
+            rank = os.environ.get("RANK", "0")
+            click.echo(f"error: {exc}" if rank == "0" else f"error (rank {rank}): {exc}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)

@@ -54,8 +54,10 @@ def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
                     is_main: bool = True) -> Path:
     """Create the run directory and write the resolved config (rank 0 only); refuse to clobber an
     earlier run. With ``resume`` an existing directory is kept as it is."""
+    if not is_main:  # rank 0 checks and writes; another rank would see rank 0's files
+        return Path(cfg.run.output_dir).expanduser().resolve()
     run_dir = check_run_dir(cfg, overwrite, resume)
-    if not is_main or (resume and run_dir.is_dir()):
+    if resume and run_dir.is_dir():
         return run_dir
     if run_dir.exists() and overwrite:
         shutil.rmtree(run_dir)
