@@ -51,6 +51,7 @@ class Pipeline:
         self.dist, device_name = distributed.init(cfg.run.device)
         self.device = build.resolve_device(device_name)
         self.run_dir = build.prepare_run_dir(cfg, overwrite, self.resume, self.dist.is_main)
+        self.dist.barrier()  # the run directory exists for every rank from here on
         self.models = build.build_models(cfg, self.device, build.needs_critic(cfg))
         if self.dist.enabled:
             if cfg.data.batch_size < self.dist.world:
