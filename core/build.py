@@ -101,21 +101,21 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
     actor_cfg, critic_cfg = cfg.models.actor, cfg.models.critic
     tokenizer = load_tokenizer(actor_cfg.path)
     actor = load_causal_lm(actor_cfg.path, actor_cfg.init, actor_cfg.dtype).to(device)
-    reference = frozen_copy(actor) if actor_cfg.lora is None else None
-    if actor_cfg.lora is not None:
-        actor = apply_lora(actor, actor_cfg.lora, "CAUSAL_LM").eval()
     critic = None
-    if need_critic and critic_cfg.shared_backbone:
-        if critic_cfg.path is not None or critic_cfg.lora is not None:
-            raise UserError("models.critic.shared_backbone: the critic is the actor's backbone; "
-                            "do not also set models.critic.path or models.critic.lora")
-        critic = ValueModel.from_actor(actor, shared=True).to(device)
-    elif need_critic:
+    if need_critic and not critic_cfg.shared_backbone:  # copied before any LoRA touches the actor
         critic = (ValueModel.from_actor(actor) if critic_cfg.path is None
                   else ValueModel.from_pretrained(critic_cfg.path, critic_cfg.init))
         if critic_cfg.lora is not None:
             critic.backbone = apply_lora(critic.backbone, critic_cfg.lora, None)
         critic = critic.to(device).eval()
+    reference = frozen_copy(actor) if actor_cfg.lora is None else None
+    if actor_cfg.lora is not None:
+        actor = apply_lora(actor, actor_cfg.lora, "CAUSAL_LM").eval()
+    if need_critic and critic_cfg.shared_backbone:
+        if critic_cfg.path is not None or critic_cfg.lora is not None:
+            raise UserError("models.critic.shared_backbone: the critic is the actor's backbone; "
+                            "do not also set models.critic.path or models.critic.lora")
+        critic = ValueModel.from_actor(actor, shared=True).to(device)
     return Models(actor, reference, critic, tokenizer)
 
 

@@ -117,7 +117,9 @@ def _joined(prompt_ids, prompt_mask, response_ids, response_mask):
 
 
 def _accepts_logits_to_keep(model) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    """Whether the causal LM (under a peft wrapper, its base model) takes ``logits_to_keep``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

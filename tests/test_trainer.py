@@ -165,3 +165,10 @@ def test_ptx_language_modelling_loss(tmp_path):
     _, metrics = pipe.step()
     assert metrics["policy/ptx_loss"] > 0
     assert metrics["loss/ptx"] == pytest.approx(0.5 * metrics["policy/ptx_loss"])
+
+
+def test_lora_actor_keeps_a_fully_trainable_critic(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, *LORA), progress=False)
+    critic = pipe.models.critic
+    assert not any("lora_" in n for n, _ in critic.named_parameters())
+    assert all(p.requires_grad for p in critic.parameters())
