@@ -67,7 +67,12 @@ def run(config_path, overrides, overwrite, no_progress, resume):
         flags = [f for f, on in (("--overwrite", overwrite), ("--no-progress", no_progress),
                                  ("--resume", resume)) if on]
         sys.exit(distributed.launch(["run", config_path, *overrides, *flags], cfg.distributed.nproc))
-    run_dir = train(cfg, overwrite=overwrite, progress=not no_progress, resume=resume)
+    try:
+        run_dir = train(cfg, overwrite=overwrite, progress=not no_progress, resume=resume)
+    except BaseException:
+        distributed.shutdown(wait=False)
+        raise
+    distributed.shutdown()
     if not distributed.launched() or os.environ.get("RANK") == "0":
         click.echo(f"run finished: {run_dir}  (metrics.jsonl, config.yaml, final/)")
 

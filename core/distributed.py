@@ -129,6 +129,15 @@ def init(device_name: str) -> tuple[Dist, str]:
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank), device_name
 
 
+def shutdown(wait: bool = True) -> None:
+    """Leave the job cleanly (a process group left alive aborts the process at exit); ``wait``
+    for the other ranks first, except after an error, when they may never arrive."""
+    if dist.is_initialized():
+        if wait:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Transformer blocks: the classes a Hugging Face model declares in ``_no_split_modules``."""
     names = set()
