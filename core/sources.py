@@ -86,6 +86,7 @@ def _converted(gguf: Path, target: Path, key: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         convert_gguf(gguf, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
         os.rename(tmp, target)  # atomic; fails if another process finished first
     except OSError:
         if not (target / "config.json").is_file():

@@ -184,4 +184,5 @@ def test_config_paths_resolve_pkg_specs(site):
                       ["models.actor.path=pkg:fake_tiny_model"])
     assert cfg.models.actor.path == pkg / "model"
     with pytest.raises(UserError, match="^models.actor.path: model package 'nope_model_pkg'"):
-        load_config(REPO / "examples" / "tiny" / "config.yaml", ["models.actor.path=pkg:nope_model_pkg"])
+        load_config(REPO / "examples" / "tiny" / "config.yaml",
+                    ["models.actor.path=pkg:nope_model_pkg"])
