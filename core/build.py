@@ -19,7 +19,8 @@ from rlpipe.core import registry
 from rlpipe.core.config import Config, save_config
 from rlpipe.core.context import RunContext
 from rlpipe.core.errors import UserError
-from rlpipe.core.models import ValueModel, frozen_copy, load_causal_lm, load_tokenizer
+from rlpipe.core.models import (ValueModel, enable_checkpointing, frozen_copy, load_causal_lm,
+                                load_tokenizer)
 from rlpipe.core.rewards import RewardComposer
 
 
@@ -72,15 +73,24 @@ class Models:
     frozen_reference: torch.nn.Module | None   # None with a LoRA actor: adapters disabled instead
     critic: ValueModel | None
     tokenizer: object
+    offload_to: torch.device | None = None  # set: the frozen reference lives on CPU, visits this
 
     @contextlib.contextmanager
     def reference(self):
-        """The reference policy: a frozen copy, or the LoRA actor with its adapters disabled."""
-        if self.frozen_reference is not None:
-            yield self.frozen_reference
-        else:
+        """The reference policy: a frozen copy, or the LoRA actor with its adapters disabled.
+        An offloaded copy moves to the device for the ``with`` block and back to CPU after it."""
+        ref = self.frozen_reference
+        if ref is None:
             with self.actor.disable_adapter():
                 yield self.actor
+            return
+        if self.offload_to is not None:
+            ref.to(self.offload_to)
+        try:
+            yield ref
+        finally:
+            if self.offload_to is not None:
+                ref.to("cpu")
 
 
 def apply_lora(model: torch.nn.Module, lora, task_type: str | None):
@@ -116,7 +126,25 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
             raise UserError("models.critic.shared_backbone: the critic is the actor's backbone; "
                             "do not also set models.critic.path or models.critic.lora")
         critic = ValueModel.from_actor(actor, shared=True).to(device)
-    return Models(actor, reference, critic, tokenizer)
+    if actor_cfg.gradient_checkpointing:  # also covers a shared-backbone critic
+        enable_checkpointing(actor)
+    if critic is not None and critic_cfg.gradient_checkpointing:
+        enable_checkpointing(critic)
+    return Models(actor, reference, critic, tokenizer, _offload_target(cfg, reference, device))
+
+
+def _offload_target(cfg: Config, reference, device: torch.device) -> torch.device | None:
+    """Where an offloaded frozen reference goes for its forward (None: no offload)."""
+    if not cfg.models.reference.offload:
+        return None
+    if reference is None:
+        raise UserError("models.reference.offload: a LoRA actor's reference is the actor itself "
+                        "with its adapters disabled; there is no copy to offload")
+    if cfg.distributed.nproc > 1:
+        raise UserError("models.reference.offload is for one process; with distributed.nproc > 1 "
+                        "use distributed.shard_frozen: true to spread the reference instead")
+    reference.to("cpu")
+    return device
 
 
 def shard_models(models: Models, cfg: Config) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     lora: LoraConfig | None = None                  # set: train LoRA adapters (peft); the
                                                     # reference is the actor with adapters disabled
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False            # recompute block activations in backward
 
 
 @dataclass
@@ -60,12 +61,19 @@ class CriticConfig:
     init: Literal["pretrained", "random"] = "pretrained"
     lora: LoraConfig | None = None
     shared_backbone: bool = False  # a value head on the actor's own backbone (combined loss)
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class ReferenceConfig:
+    offload: bool = False      # the frozen copy waits on CPU and visits the device for its forward
 
 
 @dataclass
 class ModelsConfig:
     actor: ModelConfig
     critic: CriticConfig = field(default_factory=CriticConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
 
 
 @dataclass
@@ -328,6 +336,19 @@ def _set_dotted(raw: dict, dotted: str, value) -> None:
         node[last] = value
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 safe loading, plus YAML 1.2 floats: ``3e-4`` is a float, not the string '3e-4'."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader subclass
+
+
 def parse_overrides(overrides) -> dict[str, Any]:
     """``["a.b=1", "c=x"]`` -> ``{"a.b": 1, "c": "x"}``; values are parsed as YAML scalars."""
     parsed = {}
@@ -336,7 +357,7 @@ def parse_overrides(overrides) -> dict[str, Any]:
         if not sep or not key.strip():
             raise UserError(f"override {item!r} is not KEY=VALUE (for example run.steps=20)")
         try:
-            parsed[key.strip()] = yaml.safe_load(text) if text else ""
+            parsed[key.strip()] = _load_yaml(text) if text else ""
         except yaml.YAMLError as exc:
             raise UserError(f"override {item!r}: cannot parse value: {exc}") from exc
     return parsed
@@ -346,7 +367,7 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = _load_yaml(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

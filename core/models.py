@@ -17,6 +17,7 @@ position.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -64,6 +65,43 @@ def load_causal_lm(path: Path, init: str = "pretrained", dtype: str = "float32")
     return model.eval()  # eval always: no dropout, so the on-policy ratio is exactly 1
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (``model`` itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Activation checkpointing of every transformer block (non-reentrant); it acts only inside
+    `checkpointing`, so generation and the no-grad scoring passes keep their KV cache and speed."""
+    base = unwrap(model.backbone if isinstance(model, ValueModel) else model)
+    kwargs = {"use_reentrant": False}
+    try:
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    except ValueError as exc:  # the architecture has no checkpointable blocks
+        raise UserError(f"gradient_checkpointing: {exc}") from exc
+
+
+@contextlib.contextmanager
+def checkpointing(*models: nn.Module | None):
+    """Let the checkpointed blocks of ``models`` recompute their activations in backward.
+
+    transformers checkpoints a block only when its ``training`` flag is set; we set that flag on
+    the checkpointed blocks alone, so dropout and every other module stay in eval mode and the
+    first PPO ratio stays exactly 1 (``model.train()`` would turn dropout on)."""
+    blocks = [m for model in models if model is not None for m in model.modules()
+              if getattr(m, "gradient_checkpointing", False) is True and not m.training]
+    for block in blocks:
+        block.training = True
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.training = False
+
+
 class ValueModel(nn.Module):
     """A transformer backbone with a scalar head: ``values[b, t] = head(hidden[b, t])``."""
 
@@ -78,7 +116,7 @@ class ValueModel(nn.Module):
     def from_actor(cls, actor, shared: bool = False) -> "ValueModel":
         """A critic on the actor's backbone: a copy (the common RLHF choice), or with ``shared``
         the very same modules (LoRA adapters included), trained by the combined loss."""
-        base = actor.get_base_model() if hasattr(actor, "get_base_model") else actor
+        base = unwrap(actor)
         backbone = base.base_model if shared else copy.deepcopy(base.base_model)
         return cls(backbone, base.config.hidden_size).to(next(actor.parameters()).dtype)
 
@@ -118,8 +156,7 @@ def _joined(prompt_ids, prompt_mask, response_ids, response_mask):
 
 def _accepts_logits_to_keep(model) -> bool:
     """Whether the causal LM (under a peft wrapper, its base model) takes ``logits_to_keep``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
+    return "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -130,9 +167,11 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
-                      temperature: float = 1.0, with_entropy: bool = False):
+                      temperature: float = 1.0, with_entropy: bool = False,
+                      entropy_grad: bool = True):
     """log pi(a_t|s_t) for each response token, [B, R] float32 (0 on padding), and optionally
-    the per-token entropy. Temperature 0 (greedy sampling) scores with temperature 1."""
+    the per-token entropy (without a graph when ``entropy_grad`` is False: a metric only, which
+    spares autograd a saved [B, R, vocab] tensor). Temperature 0 (greedy) scores with temperature 1."""
     ids, mask, pos = _joined(prompt_ids, prompt_mask, response_ids, response_mask)
     R = response_ids.shape[1]
     kwargs = {"logits_to_keep": R + 1} if _accepts_logits_to_keep(model) else {}
@@ -141,7 +180,10 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     logits = logits[:, -(R + 1):-1].float() / (temperature if temperature > 0 else 1.0)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
     logp = logp * response_mask
-    entropy = entropy_from_logits(logits) * response_mask if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits) * response_mask
     return logp, entropy
 
 

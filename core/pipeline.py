@@ -78,16 +78,15 @@ class Pipeline:
     @torch.no_grad()
     def _score_tokens(self, td: TensorDict) -> None:
         """old_log_prob, ref_log_prob and value for every response token, in micro-batches."""
-        m, out = self.models, {S.OLD_LOG_PROB: [], S.REF_LOG_PROB: [], S.VALUE: []}
-        for chunk in td.split(self.cfg.train.forward_batch_size):
-            inputs = [chunk[k] for k in _INPUTS]
-            out[S.OLD_LOG_PROB].append(response_logprobs(m.actor, *inputs, self.temperature)[0])
-            with m.reference() as reference:
-                out[S.REF_LOG_PROB].append(response_logprobs(reference, *inputs, self.temperature)[0])
-            out[S.VALUE].append(response_values(m.critic, *inputs) if m.critic is not None
-                                else torch.zeros_like(out[S.OLD_LOG_PROB][-1]))
-        for key, parts in out.items():
-            td[key] = torch.cat(parts)
+        m = self.models
+        chunks = [[c[k] for k in _INPUTS] for c in td.split(self.cfg.train.forward_batch_size)]
+        td[S.OLD_LOG_PROB] = torch.cat([response_logprobs(m.actor, *c, self.temperature)[0]
+                                        for c in chunks])
+        with m.reference() as reference:  # one visit of an offloaded reference per step
+            td[S.REF_LOG_PROB] = torch.cat([response_logprobs(reference, *c, self.temperature)[0]
+                                            for c in chunks])
+        td[S.VALUE] = (torch.cat([response_values(m.critic, *c) for c in chunks])
+                       if m.critic is not None else torch.zeros_like(td[S.OLD_LOG_PROB]))
 
     @staticmethod
     def _engine_gap(batch: TensorDict) -> dict:

@@ -19,7 +19,7 @@ from rlpipe.core import build, kl, schema
 from rlpipe.core.data import PtxStream
 from rlpipe.core.errors import UserError
 from rlpipe.core.metrics import flatten
-from rlpipe.core.models import response_logprobs, response_values
+from rlpipe.core.models import checkpointing, response_logprobs, response_values
 
 S = schema
 
@@ -45,6 +45,8 @@ class Updater:
         self.ptx = PtxStream(cfg.ptx, models.tokenizer, dist) if cfg.ptx.coef > 0 else None
         self.scheds = {k: build.make_scheduler(o, cfg) for k, o in self.opts.items()}
         self.shuffle = torch.Generator().manual_seed(cfg.run.seed)
+        # a loss that declares entropy_coef = 0 logs the entropy without differentiating it
+        self.entropy_grad = getattr(loss, "entropy_coef", 1.0) != 0
         self.bad_in_a_row = 0
 
     def _micro_step(self, micro: TensorDict, kl_coef: float) -> TensorDict:
@@ -52,7 +54,7 @@ class Updater:
         m = self.models
         inputs = [micro[k] for k in (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)]
         micro[S.LOG_PROB], micro[S.ENTROPY] = response_logprobs(
-            m.actor, *inputs, self.temperature, with_entropy=True)
+            m.actor, *inputs, self.temperature, with_entropy=True, entropy_grad=self.entropy_grad)
         if m.critic is not None:
             micro[S.VALUE_PRED] = response_values(m.critic, *inputs)
         out = self.loss(micro)
@@ -128,15 +130,12 @@ class Updater:
             losses["policy/ptx_loss"] = float(ptx_loss)
         return losses, weighted
 
-    def update(self, batch: TensorDict, train_actor: bool = True, kl_coef: float = 0.0) -> dict:
-        """Run the PPO epochs on ``batch`` (the global rollout; each rank trains on its slice of
-        every minibatch). Returns ``loss/*`` averaged over minibatches and the loss module's other
-        metrics as token-weighted means over all micro-batches and ranks, so that neither depends
-        on how the batch is split. Skipped (non-finite) minibatches are left out of both."""
+    def _epochs(self, batch: TensorDict, train_actor: bool, kl_coef: float, losses: dict,
+                weighted: dict) -> tuple[int, int, bool]:
+        """The epoch x minibatch loop; sums the stepped minibatches' outputs into ``losses`` and
+        ``weighted``. Returns (optimizer steps done, minibatches skipped, stopped by target_kl)."""
         t, d = self.cfg.train, self.dist
-        losses: dict[str, float] = {}
-        weighted: dict[str, float] = {}
-        done, skipped, stopped = 0, 0, False
+        done, skipped = 0, 0
         for _ in range(t.epochs):
             for idx in self._minibatches(batch.batch_size[0]):
                 mb_losses, mb_weighted = self._minibatch(batch[idx.to(self.device)], kl_coef,
@@ -151,11 +150,19 @@ class Updater:
                 else:
                     skipped += 1
                 if t.target_kl is not None and agreed["approx_kl"] > t.target_kl * agreed["tokens"]:
-                    stopped = True
-                    break
-            if stopped:
-                break
-        losses, weighted = d.mean(losses), d.mean(weighted)
+                    return done, skipped, True
+        return done, skipped, False
+
+    def update(self, batch: TensorDict, train_actor: bool = True, kl_coef: float = 0.0) -> dict:
+        """Run the PPO epochs on ``batch`` (the global rollout; each rank trains on its slice of
+        every minibatch). Returns ``loss/*`` averaged over minibatches and the loss module's other
+        metrics as token-weighted means over all micro-batches and ranks, so that neither depends
+        on how the batch is split. Skipped (non-finite) minibatches are left out of both."""
+        losses: dict[str, float] = {}
+        weighted: dict[str, float] = {}
+        with checkpointing(self.models.actor, self.models.critic):  # no-op unless enabled
+            done, skipped, stopped = self._epochs(batch, train_actor, kl_coef, losses, weighted)
+        losses, weighted = self.dist.mean(losses), self.dist.mean(weighted)
         metrics = {(f"loss/{k[5:]}" if k.startswith("loss_") else k): v / max(done, 1)
                    for k, v in losses.items()}
         tokens = max(weighted.pop("tokens", 0.0), 1.0)

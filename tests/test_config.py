@@ -1,6 +1,7 @@
 """Config loading and the CLI's handling of bad input: one line naming the problem, exit status 2."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import yaml
 from click.testing import CliRunner
 
 from rlpipe.cli import main
-from rlpipe.core.config import load_config
+from rlpipe.core.config import load_config, parse_overrides
 from rlpipe.core.errors import UserError
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny"
@@ -64,6 +65,16 @@ def test_overrides_are_typed_and_paths_are_relative_to_cwd(cfg_file, tmp_path, m
     assert (cfg.run.steps, cfg.kl.coef, cfg.rewards[0].weight) == (3, 0.1, 2.0)
     assert cfg.data.prompts == tmp_path / "other.txt"
     assert cfg.collector.args["temperature"] == 0.7
+
+
+def test_exponent_floats_without_a_dot_are_floats(cfg_file):
+    """YAML 1.1 reads 3e-4 as a string; rlpipe reads it as YAML 1.2 does, in files and overrides."""
+    text = re.sub(r"(?m)^(\s*)critic_lr:.*$", r"\1critic_lr: 5e-5", cfg_file.read_text())
+    assert "critic_lr: 5e-5" in text
+    cfg_file.write_text(text)
+    cfg = load_config(cfg_file, ["train.lr=3e-4", "kl.coef=1E-2"])
+    assert (cfg.train.lr, cfg.train.critic_lr, cfg.kl.coef) == (3e-4, 5e-5, 1e-2)
+    assert parse_overrides(["a=1e5x", "b=e5", "c=7"]) == {"a": "1e5x", "b": "e5", "c": 7}
 
 
 def test_resolved_config_round_trips(cfg_file, tmp_path):

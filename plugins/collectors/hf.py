@@ -22,6 +22,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from rlpipe.core import schema
 from rlpipe.core.errors import UserError
+from rlpipe.core.models import unwrap
 
 
 def encode_prompts(tokenizer, prompts: list[str], chat_template: bool, budget: int,
@@ -176,7 +177,7 @@ def _generation_mode(model, config: GenerationConfig):
     ``model.generation_config`` (e.g. a checkpoint's ``repetition_penalty``), so a fresh config
     alone does not shield us from the checkpoint's sampling defaults.
     """
-    owner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    owner = unwrap(model)
     saved, was_training = owner.generation_config, model.training
     owner.generation_config = config
     model.eval()

