@@ -61,23 +61,24 @@ def make_assets(folder: Path, size: str) -> Path:
 
 def make_config(folder: Path, *, batch: int, new_tokens: int, device: str = "cpu",
                 dtype: str = "float32", lora: bool = False, critic: dict | None = None,
-                epochs: int = 4, minibatches: int = 2):
+                actor: dict | None = None, epochs: int = 4, minibatches: int = 2):
     """The rlpipe config of the benchmarks: ``init: random``, one length reward, GAE, PPO,
     temperature-1 sampling over the full vocabulary, no shuffling (every step sees the same
     prompts in the same order as the plain loop). ``lora``: ``models.actor.lora = {r: 8, alpha:
-    16}``; ``critic``: the ``models.critic`` section."""
+    16}``; ``critic``: the ``models.critic`` section; ``actor``: more ``models.actor`` keys."""
     from rlpipe.core.config import load_config
 
-    name = f"{batch}x{new_tokens}{'_lora' if lora else ''}{'_critic' if critic else ''}"
+    name = (f"{batch}x{new_tokens}{'_lora' if lora else ''}{'_critic' if critic else ''}"
+            f"{'_actor' if actor else ''}")
     raw = {
         "run": {"steps": 1000, "seed": 0, "output_dir": str(folder / f"run_{name}"),
                 "device": device},
         "models": {"actor": {"path": "model", "init": "random", "dtype": dtype,
-                             **({"lora": {"r": 8, "alpha": 16}} if lora else {})},
+                             **({"lora": {"r": 8, "alpha": 16}} if lora else {}), **(actor or {})},
                    **({"critic": critic} if critic else {})},
         "data": {"prompts": "prompts.txt", "batch_size": batch, "shuffle": False},
-        "collector": {"name": "hf", "max_new_tokens": new_tokens, "temperature": 1.0,
-                      "micro_batch_size": max(batch, 1)},
+        "collector": {"name": "hf", "max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
+                      "temperature": 1.0, "micro_batch_size": max(batch, 1)},
         "rewards": [{"name": "length", **LENGTH_REWARD}],
         "advantage": {"name": "gae", "gamma": 1.0, "lmbda": 0.95, "whiten": True},
         "loss": {"name": "ppo", "clip_low": 0.2, "vf_coef": 0.5, "value_clip": 0.2},
@@ -93,16 +94,11 @@ def make_config(folder: Path, *, batch: int, new_tokens: int, device: str = "cpu
 
 
 def build_pipeline(cfg):
-    """An rlpipe Pipeline whose collector always generates exactly ``max_new_tokens`` tokens.
-
-    The hf collector has no ``min_new_tokens`` option; we set it on its GenerationConfig (EOS is
+    """An rlpipe Pipeline; the configs above set ``min_new_tokens = max_new_tokens`` (EOS is
     masked until the budget), so both implementations process the same number of tokens."""
     from rlpipe.core.pipeline import Pipeline
 
-    pipe = Pipeline(cfg, overwrite=True, progress=False)
-    collector = pipe.plugins.collector
-    collector.generation_config.min_new_tokens = collector.max_new_tokens
-    return pipe
+    return Pipeline(cfg, overwrite=True, progress=False)
 
 
 def count_params(module: torch.nn.Module, trainable: bool = False) -> int:

@@ -20,11 +20,11 @@ memory) and reports, in MiB:
 - ``step``: that peak minus what was resident just before the second step.
 
 Variants: ``full`` (actor, frozen reference copy, critic = a copy of the actor's backbone + value
-head, all parameters trained with AdamW); ``lora`` (``models.actor.lora = {r: 8, alpha: 16}``:
-the reference is the actor with its adapters disabled; the critic, built from the LoRA actor, is
-a frozen copy of the backbone carrying a copy of the adapters, so it trains LoRA + head too);
-``lora+shared`` (also ``models.critic.shared_backbone: true``: the value head sits on the actor's
-own backbone, no second copy). The table shows medians.
+head, all parameters trained with AdamW); ``full+ckpt`` (the same with activation checkpointing
+of actor and critic); ``lora`` (``models.actor.lora = {r: 8, alpha: 16}``: the reference is the
+actor with its adapters disabled; the critic is a full copy of the base backbone + head, fully
+trained, as with ``full``); ``lora+shared`` (also ``models.critic.shared_backbone: true``: the
+value head sits on the actor's own backbone, no second copy). The table shows medians.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import subprocess
 import sys
 import time
 
-VARIANTS = {"full": {}, "lora": {"lora": True},
+CKPT = {"gradient_checkpointing": True}
+VARIANTS = {"full": {}, "full+ckpt": {"actor": CKPT, "critic": CKPT}, "lora": {"lora": True},
             "lora+shared": {"lora": True, "critic": {"shared_backbone": True}}}
 
 

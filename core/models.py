@@ -118,7 +118,11 @@ class ValueModel(nn.Module):
         the very same modules (LoRA adapters included), trained by the combined loss."""
         base = unwrap(actor)
         backbone = base.base_model if shared else copy.deepcopy(base.base_model)
-        return cls(backbone, base.config.hidden_size).to(next(actor.parameters()).dtype)
+        critic = cls(backbone, base.config.hidden_size).to(next(actor.parameters()).dtype)
+        critic.shared = shared
+        return critic
+
+    shared = False  # True: ``backbone`` is the actor's own, run once for both heads
 
     @classmethod
     def from_pretrained(cls, path: Path, init: str = "pretrained") -> "ValueModel":
@@ -137,7 +141,10 @@ class ValueModel(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids):
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=False)
-        return self.head(out.last_hidden_state).squeeze(-1).float()
+        return self.values(out.last_hidden_state)
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).squeeze(-1).float()
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -193,3 +200,23 @@ def response_values(critic: ValueModel, prompt_ids, prompt_mask, response_ids, r
     R = response_ids.shape[1]
     values = critic(input_ids=ids, attention_mask=mask, position_ids=pos)
     return values[:, -(R + 1):-1] * response_mask
+
+
+def logprobs_and_values(actor, critic: ValueModel | None, inputs: list, temperature: float = 1.0,
+                        with_entropy: bool = False, entropy_grad: bool = True):
+    """``(log_prob, entropy, value)`` of `response_logprobs` and `response_values` (value None
+    without a critic). A critic on the actor's own backbone costs no second pass: its values are
+    read from the backbone output of the actor's forward (a forward hook)."""
+    kwargs = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    if critic is None or not critic.shared:
+        logp, entropy = response_logprobs(actor, *inputs, **kwargs)
+        return logp, entropy, None if critic is None else response_values(critic, *inputs)
+    seen = []
+    hook = critic.backbone.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        logp, entropy = response_logprobs(actor, *inputs, **kwargs)
+    finally:
+        hook.remove()
+    R, response_mask = inputs[2].shape[1], inputs[3]
+    values = critic.values(seen[-1].last_hidden_state[:, -(R + 1):-1])
+    return logp, entropy, values * response_mask

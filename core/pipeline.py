@@ -23,7 +23,7 @@ from rlpipe.core.context import RunContext
 from rlpipe.core.data import PromptStream, load_prompts
 from rlpipe.core.errors import UserError
 from rlpipe.core.metrics import MetricsWriter, to_float
-from rlpipe.core.models import response_logprobs, response_values
+from rlpipe.core.models import logprobs_and_values, response_logprobs
 from rlpipe.core.ops import masked_mean
 from rlpipe.core.update import Updater
 
@@ -80,13 +80,13 @@ class Pipeline:
         """old_log_prob, ref_log_prob and value for every response token, in micro-batches."""
         m = self.models
         chunks = [[c[k] for k in _INPUTS] for c in td.split(self.cfg.train.forward_batch_size)]
-        td[S.OLD_LOG_PROB] = torch.cat([response_logprobs(m.actor, *c, self.temperature)[0]
-                                        for c in chunks])
+        outs = [logprobs_and_values(m.actor, m.critic, c, self.temperature) for c in chunks]
+        td[S.OLD_LOG_PROB] = torch.cat([logp for logp, _, _ in outs])
+        td[S.VALUE] = (torch.cat([values for _, _, values in outs]) if m.critic is not None
+                       else torch.zeros_like(td[S.OLD_LOG_PROB]))
         with m.reference() as reference:  # one visit of an offloaded reference per step
             td[S.REF_LOG_PROB] = torch.cat([response_logprobs(reference, *c, self.temperature)[0]
                                             for c in chunks])
-        td[S.VALUE] = (torch.cat([response_values(m.critic, *c) for c in chunks])
-                       if m.critic is not None else torch.zeros_like(td[S.OLD_LOG_PROB]))
 
     @staticmethod
     def _engine_gap(batch: TensorDict) -> dict:

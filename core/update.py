@@ -19,7 +19,7 @@ from rlpipe.core import build, kl, schema
 from rlpipe.core.data import PtxStream
 from rlpipe.core.errors import UserError
 from rlpipe.core.metrics import flatten
-from rlpipe.core.models import checkpointing, response_logprobs, response_values
+from rlpipe.core.models import checkpointing, logprobs_and_values
 
 S = schema
 
@@ -53,10 +53,11 @@ class Updater:
         """Forward the current models on one micro-batch, run the loss, backward; return its output."""
         m = self.models
         inputs = [micro[k] for k in (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)]
-        micro[S.LOG_PROB], micro[S.ENTROPY] = response_logprobs(
-            m.actor, *inputs, self.temperature, with_entropy=True, entropy_grad=self.entropy_grad)
-        if m.critic is not None:
-            micro[S.VALUE_PRED] = response_values(m.critic, *inputs)
+        logp, entropy, values = logprobs_and_values(m.actor, m.critic, inputs, self.temperature,
+                                                    True, self.entropy_grad)
+        micro[S.LOG_PROB], micro[S.ENTROPY] = logp, entropy
+        if values is not None:
+            micro[S.VALUE_PRED] = values
         out = self.loss(micro)
         if kl_coef:  # kl.in: loss -- the KL penalty as a loss term instead of in the reward
             kl_tok = kl.kl_per_token(micro[S.LOG_PROB], micro[S.REF_LOG_PROB], self.cfg.kl.estimator)

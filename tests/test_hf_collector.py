@@ -94,6 +94,18 @@ def test_response_mask_ends_at_first_eos(tiny_model, tiny_tokenizer, tiny_tokeni
     assert batch[schema.RESPONSE_TEXT] == ["two three", "three", "blue red blue red blue red", ""]
 
 
+def test_min_new_tokens_suppresses_eos_until_then(tiny_model, tiny_tokenizer):
+    ctx = RunContext(tokenizer=tiny_tokenizer, actor=make_chain_model(tiny_model, tiny_tokenizer))
+    prompts = ["two", "three"]  # the chain emits </s> after 1 and 0 tokens
+    plain = HFCollector(ctx, max_new_tokens=6, temperature=0).collect(prompts)
+    assert plain[schema.RESPONSE_MASK].sum(1).tolist() == [2, 1]
+    batch = HFCollector(ctx, max_new_tokens=6, temperature=0, min_new_tokens=4).collect(prompts)
+    ids, lengths = batch[schema.RESPONSE_IDS], batch[schema.RESPONSE_MASK].sum(1)
+    assert (lengths >= 4).all() and not (ids[:, :4] == tiny_tokenizer.eos_token_id).any()
+    full = HFCollector(ctx, max_new_tokens=6, temperature=1.0, min_new_tokens=6).collect(prompts)
+    assert full[schema.RESPONSE_MASK].all()  # every response exactly its budget
+
+
 def test_stop_strings_end_rows_and_stay_in_response(tiny_model, tiny_tokenizer):
     ctx = RunContext(tokenizer=tiny_tokenizer, actor=make_chain_model(tiny_model, tiny_tokenizer))
     collector = HFCollector(ctx, max_new_tokens=6, temperature=0, stop_strings=["blue red"])
@@ -190,7 +202,8 @@ def test_outputs_are_usable_by_autograd_and_train_mode_is_restored(ctx):
     dict(max_new_tokens=0), dict(max_new_tokens=2.5), dict(temperature=-0.1),
     dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
     dict(top_k=True), dict(n=0), dict(micro_batch_size=0), dict(max_prompt_tokens=0),
-    dict(stop_strings="stop"), dict(stop_strings=[""]),
+    dict(stop_strings="stop"), dict(stop_strings=[""]), dict(min_new_tokens=-1),
+    dict(min_new_tokens=5, max_new_tokens=4), dict(min_new_tokens=1.0),
 ])
 def test_bad_args_raise_user_error(ctx, kwargs):
     with pytest.raises(UserError, match="hf collector: " + next(iter(kwargs))):

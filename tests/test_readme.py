@@ -21,6 +21,14 @@ def test_ci_runs_the_readme_test_command():
     assert test_cmd.strip() in ci_lines
 
 
+def test_first_command_is_the_quickstart_and_ci_tests_it_with_the_same_packages():
+    first = re.findall(r"```bash\n(.*?)\n```", README, re.S)[0]
+    assert first.endswith("python examples/quickstart/run.py")
+    pins = re.search(r"pip install --no-deps ([^&]+?) &&", first).group(1)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"pip install --no-deps {pins} && RLPIPE_REQUIRE_QUICKSTART=1" in ci
+
+
 DOCUMENTED = sorted(set(re.findall(r"`([a-z_]+\.[a-z_]+(?:\.[a-z_]+)?)`", README))
                     - {"metrics.jsonl", "config.yaml", "pyproject.toml"})
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from rlpipe.core import checkpoint
 from rlpipe.core import schema as S
 from rlpipe.core.config import load_config
-from rlpipe.core.models import response_logprobs
+from rlpipe.core.models import logprobs_and_values, response_logprobs, response_values
 from rlpipe.core.pipeline import Pipeline
 from rlpipe.core.update import TrainingDiverged
 
@@ -156,6 +156,22 @@ def test_shared_backbone_critic_trains_with_the_actor(tmp_path):
     _, metrics = pipe.step()
     assert not same(head0, params(m.critic.head)) and not same(actor0, params(m.actor))
     assert metrics["value/loss"] > 0
+
+
+def test_shared_backbone_values_come_from_the_actor_forward(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "models.critic.shared_backbone=true", *LORA), progress=False)
+    m = pipe.models
+    batch = pipe.plugins.collector.collect(["Hello there", "The sky is"])
+    inputs = [batch[k] for k in (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)]
+    passes = []
+    hook = m.critic.backbone.register_forward_hook(lambda *_: passes.append(1))
+    with torch.no_grad():
+        logp, _, values = logprobs_and_values(m.actor, m.critic, inputs)
+        assert len(passes) == 1  # one backbone pass for both heads
+        torch.testing.assert_close(logp, response_logprobs(m.actor, *inputs)[0], rtol=0, atol=0)
+        torch.testing.assert_close(values, response_values(m.critic, *inputs), rtol=0, atol=0)
+    hook.remove()
+    assert values.abs().sum() > 0 and (values[~inputs[3]] == 0).all()
 
 
 def test_ptx_language_modelling_loss(tmp_path):

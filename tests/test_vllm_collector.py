@@ -118,6 +118,7 @@ def test_missing_vllm_raises_install_hint(monkeypatch):
     dict(top_k=-1), dict(n=0), dict(max_prompt_tokens=0), dict(stop_strings="stop"),
     dict(gpu_memory_utilization=1.5), dict(tensor_parallel_size=0), dict(dtype="fp8"),
     dict(max_model_len=0), dict(seed=1.5), dict(kv_cache_gb=0), dict(max_new_tokens=128),
+    dict(min_new_tokens=-1),
 ])
 def test_bad_args_raise_user_error(kwargs):
     tokenizer = build_tokenizer()
@@ -318,6 +319,10 @@ def test_finished_and_mask_come_from_the_finish_reason(collector, tokenizer, bas
         stopped = collector.collect(["red", "the one"])
     assert rows(stopped) == [expected[2][:2], expected[0]]
     assert stopped[schema.FINISHED].tolist() == [True, True]
+    with sampling(collector, max_new_tokens=6, min_new_tokens=4):  # EOS suppressed for 4 tokens
+        late = collector.collect(["two", "three"])
+    assert (late[schema.RESPONSE_MASK].sum(1) >= 4).all()
+    assert not (late[schema.RESPONSE_IDS][:, :4] == tokenizer.eos_token_id).any()
 
 
 def test_n_samples_share_consecutive_group_ids(collector):

@@ -48,28 +48,25 @@ class HFCollector:
     disable those filters. Prompts longer than ``max_prompt_tokens`` keep their last tokens.
     ``chat_template=True`` wraps each prompt as one user message with the generation prompt.
     A row also stops when its decoded response ends with one of ``stop_strings``; the stop tokens
-    stay in the response and the row counts as finished. The constructor arguments are kept as
-    attributes of the same names (the trainer reads ``temperature`` and ``max_new_tokens``).
+    stay in the response and the row counts as finished. ``min_new_tokens`` suppresses EOS for
+    the first tokens of each response (stop strings still end a row). The constructor arguments
+    are kept as attributes of the same names (the trainer reads ``temperature`` and ``max_new_tokens``).
     """
 
     def __init__(self, ctx, *, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, n: int = 1, micro_batch_size: int = 32,
                  max_prompt_tokens: int = 256, chat_template: bool = False,
-                 stop_strings: list[str] | None = None):
+                 stop_strings: list[str] | None = None, min_new_tokens: int = 0):
         _check_args(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                     top_k=top_k, n=n, micro_batch_size=micro_batch_size,
                     max_prompt_tokens=max_prompt_tokens, stop_strings=stop_strings)
-        if ctx.actor is None or ctx.tokenizer is None:
-            raise UserError("hf collector: the run context has no actor model or no tokenizer")
-        if chat_template and not getattr(ctx.tokenizer, "chat_template", None):
-            raise UserError("hf collector: chat_template=true but the tokenizer has no chat template; "
-                            "set chat_template: false or use a tokenizer that defines one")
+        check_context(ctx, "hf", chat_template, min_new_tokens, max_new_tokens)
         self.model, self.tokenizer, self.device = ctx.actor, ctx.tokenizer, torch.device(ctx.device)
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = (
             max_new_tokens, temperature, top_p, top_k)
         self.n, self.micro_batch_size = n, micro_batch_size
         self.max_prompt_tokens, self.chat_template = max_prompt_tokens, chat_template
-        self.stop_strings = tuple(stop_strings or ())
+        self.stop_strings, self.min_new_tokens = tuple(stop_strings or ()), min_new_tokens
         self.eos_ids = _eos_ids(self.tokenizer, self.model)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else None)
@@ -77,7 +74,8 @@ class HFCollector:
             raise UserError("hf collector: the tokenizer has neither a pad token nor an EOS token")
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else {}
         self.generation_config = GenerationConfig(
-            do_sample=temperature > 0, **sampling, max_new_tokens=max_new_tokens, min_new_tokens=0,
+            do_sample=temperature > 0, **sampling, max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
             num_beams=1, repetition_penalty=1.0, use_cache=True, pad_token_id=self.pad_id,
             eos_token_id=self.eos_ids or None,
             bos_token_id=self.tokenizer.bos_token_id)
@@ -194,6 +192,19 @@ def _eos_ids(tokenizer, model) -> list[int]:
              getattr(getattr(model, "generation_config", None), "eos_token_id", None)]
     flat = [i for ids in found for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
     return sorted({int(i) for i in flat if i is not None})
+
+
+def check_context(ctx, collector: str, chat_template: bool, min_new_tokens, max_new_tokens: int):
+    """The checks the hf and vllm collectors share: the run context, chat template, token floor."""
+    if not isinstance(min_new_tokens, int) or isinstance(min_new_tokens, bool) \
+            or not 0 <= min_new_tokens <= max_new_tokens:
+        raise UserError(f"{collector} collector: min_new_tokens must be an integer in "
+                        f"[0, max_new_tokens={max_new_tokens}], got {min_new_tokens!r}")
+    if ctx.actor is None or ctx.tokenizer is None:
+        raise UserError(f"{collector} collector: the run context has no actor model or no tokenizer")
+    if chat_template and not getattr(ctx.tokenizer, "chat_template", None):
+        raise UserError(f"{collector} collector: chat_template=true but the tokenizer has no chat "
+                        f"template; set chat_template: false or use a tokenizer that defines one")
 
 
 def _check_args(*, temperature, top_p, top_k, stop_strings, **positive_ints) -> None:

