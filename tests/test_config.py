@@ -77,6 +77,14 @@ def test_exponent_floats_without_a_dot_are_floats(cfg_file):
     assert parse_overrides(["a=1e5x", "b=e5", "c=7"]) == {"a": "1e5x", "b": "e5", "c": 7}
 
 
+def test_gpu_example_config_is_valid(tmp_path):
+    """examples/gpu/config.yaml checks out once its placeholder paths point at real folders."""
+    cfg = load_config(TINY.parent / "gpu" / "config.yaml",
+                      [f"models.actor.path={TINY / 'model'}", f"rewards.0.path={tmp_path}"])
+    assert cfg.run.device == "cuda" and cfg.models.actor.dtype == "bfloat16"
+    assert cfg.models.actor.lora.r == 16 and cfg.models.reference.offload is False
+
+
 def test_resolved_config_round_trips(cfg_file, tmp_path):
     result = CliRunner().invoke(main, ["config", str(cfg_file), "run.steps=4"])
     assert result.exit_code == 0, result.output
