@@ -10,6 +10,7 @@ import contextlib
 import math
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,7 +101,9 @@ def apply_lora(model: torch.nn.Module, lora, task_type: str | None):
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=lora.target_modules, task_type=task_type)
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads an attribute transformers 5 deprecates
+            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+            return get_peft_model(model, config)
     except ValueError as exc:
         raise UserError(f"lora: {exc}") from exc
 

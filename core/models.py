@@ -105,6 +105,8 @@ def checkpointing(*models: nn.Module | None):
 class ValueModel(nn.Module):
     """A transformer backbone with a scalar head: ``values[b, t] = head(hidden[b, t])``."""
 
+    shared = False  # True: ``backbone`` is the actor's own, run once for both heads
+
     def __init__(self, backbone: nn.Module, hidden_size: int):
         super().__init__()
         self.backbone = backbone
@@ -121,8 +123,6 @@ class ValueModel(nn.Module):
         critic = cls(backbone, base.config.hidden_size).to(next(actor.parameters()).dtype)
         critic.shared = shared
         return critic
-
-    shared = False  # True: ``backbone`` is the actor's own, run once for both heads
 
     @classmethod
     def from_pretrained(cls, path: Path, init: str = "pretrained") -> "ValueModel":
@@ -178,7 +178,8 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
                       entropy_grad: bool = True):
     """log pi(a_t|s_t) for each response token, [B, R] float32 (0 on padding), and optionally
     the per-token entropy (without a graph when ``entropy_grad`` is False: a metric only, which
-    spares autograd a saved [B, R, vocab] tensor). Temperature 0 (greedy) scores with temperature 1."""
+    spares autograd a saved [B, R, vocab] tensor). Temperature 0 (greedy) scores with
+    temperature 1."""
     ids, mask, pos = _joined(prompt_ids, prompt_mask, response_ids, response_mask)
     R = response_ids.shape[1]
     kwargs = {"logits_to_keep": R + 1} if _accepts_logits_to_keep(model) else {}
