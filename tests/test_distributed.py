@@ -104,9 +104,14 @@ def weights(run_dir):
     return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
-def test_one_and_two_processes_give_the_same_update(site, tmp_path):
+GRAD_CKPT = ["models.actor.gradient_checkpointing=true", "models.critic.gradient_checkpointing=true"]
+
+
+@pytest.mark.parametrize("sharded_extra", [[], GRAD_CKPT], ids=["plain", "checkpointed-blocks"])
+def test_one_and_two_processes_give_the_same_update(site, tmp_path, sharded_extra):
+    """Also with activation checkpointing of the FSDP-wrapped blocks on the 2-process side."""
     one = run(site, tmp_path, "one")
-    two = run(site, tmp_path, "two", "distributed.nproc=2")
+    two = run(site, tmp_path, "two", "distributed.nproc=2", *sharded_extra)
     m1, m2 = metrics(one), metrics(two)
     assert len(m1) == len(m2) == 2  # rank 0 alone writes metrics.jsonl
     for a, b in zip(m1, m2):
