@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rlpipe.core.build import Models
 from rlpipe.core.config import load_config
 from rlpipe.core.errors import UserError
-from rlpipe.core.models import checkpointing, enable_checkpointing, response_logprobs
+from rlpipe.core.models import checkpointing, enable_checkpointing, response_logprobs, unwrap
 from rlpipe.core.pipeline import Pipeline
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
@@ -83,11 +83,17 @@ def test_checkpointing_does_not_turn_dropout_on():
     assert not any(m.training for m in model.modules())  # flags restored
 
 
-def test_pipeline_with_checkpointing_matches_the_plain_step(tmp_path):
-    a = Pipeline(tiny(tmp_path / "plain"), progress=False)
+@pytest.mark.parametrize("extra", [[], ["models.actor.lora={r: 4, alpha: 8}"]],
+                         ids=["full", "lora"])
+def test_pipeline_with_checkpointing_matches_the_plain_step(tmp_path, extra):
+    a = Pipeline(tiny(tmp_path / "plain", *extra), progress=False)
     _, ma = a.step()
-    b = Pipeline(tiny(tmp_path / "ckpt", *GC), progress=False)  # re-seeds: the same samples
+    b = Pipeline(tiny(tmp_path / "ckpt", *GC, *extra), progress=False)  # re-seeds: same samples
+    block, calls = unwrap(b.models.actor).model.layers[0], []
+    recompute = block._gradient_checkpointing_func
+    block._gradient_checkpointing_func = lambda *a, **k: calls.append(1) or recompute(*a, **k)
     _, mb = b.step()
+    assert len(calls) == b.cfg.train.epochs * b.cfg.train.minibatches  # update passes only
     for key in ("loss/objective", "loss/critic", "policy/approx_kl", "value/loss"):
         assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
     for (name, pa), (_, pb) in zip(a.models.actor.named_parameters(),
