@@ -50,7 +50,8 @@ class HFCollector:
     A row also stops when its decoded response ends with one of ``stop_strings``; the stop tokens
     stay in the response and the row counts as finished. ``min_new_tokens`` suppresses EOS for
     the first tokens of each response (stop strings still end a row). The constructor arguments
-    are kept as attributes of the same names (the trainer reads ``temperature`` and ``max_new_tokens``).
+    are kept as attributes of the same names (the trainer reads ``temperature`` and
+    ``max_new_tokens``).
     """
 
     def __init__(self, ctx, *, max_new_tokens: int = 64, temperature: float = 1.0,
