@@ -133,21 +133,23 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
         enable_checkpointing(actor)
     if critic is not None and critic_cfg.gradient_checkpointing:
         enable_checkpointing(critic)
-    return Models(actor, reference, critic, tokenizer, _offload_target(cfg, reference, device))
+    offload = _check_offload(cfg, reference)
+    if offload:
+        reference.to("cpu")  # it visits `device` only inside Models.reference()
+    return Models(actor, reference, critic, tokenizer, device if offload else None)
 
 
-def _offload_target(cfg: Config, reference, device: torch.device) -> torch.device | None:
-    """Where an offloaded frozen reference goes for its forward (None: no offload)."""
+def _check_offload(cfg: Config, reference) -> bool:
+    """Whether to offload the frozen reference; names the setting that rules it out."""
     if not cfg.models.reference.offload:
-        return None
+        return False
     if reference is None:
         raise UserError("models.reference.offload: a LoRA actor's reference is the actor itself "
                         "with its adapters disabled; there is no copy to offload")
     if cfg.distributed.nproc > 1:
         raise UserError("models.reference.offload is for one process; with distributed.nproc > 1 "
                         "use distributed.shard_frozen: true to spread the reference instead")
-    reference.to("cpu")
-    return device
+    return True
 
 
 def shard_models(models: Models, cfg: Config) -> None:

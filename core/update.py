@@ -131,11 +131,13 @@ class Updater:
             losses["policy/ptx_loss"] = float(ptx_loss)
         return losses, weighted
 
-    def _epochs(self, batch: TensorDict, train_actor: bool, kl_coef: float, losses: dict,
-                weighted: dict) -> tuple[int, int, bool]:
-        """The epoch x minibatch loop; sums the stepped minibatches' outputs into ``losses`` and
-        ``weighted``. Returns (optimizer steps done, minibatches skipped, stopped by target_kl)."""
+    def _epochs(self, batch: TensorDict, train_actor: bool, kl_coef: float):
+        """The epoch x minibatch loop. Returns the stepped minibatches' summed ``loss_*`` outputs
+        and weighted metrics, the optimizer steps done, the minibatches skipped, and whether
+        ``target_kl`` stopped the loop."""
         t, d = self.cfg.train, self.dist
+        losses: dict[str, float] = {}
+        weighted: dict[str, float] = {}
         done, skipped = 0, 0
         for _ in range(t.epochs):
             for idx in self._minibatches(batch.batch_size[0]):
@@ -151,18 +153,16 @@ class Updater:
                 else:
                     skipped += 1
                 if t.target_kl is not None and agreed["approx_kl"] > t.target_kl * agreed["tokens"]:
-                    return done, skipped, True
-        return done, skipped, False
+                    return losses, weighted, done, skipped, True
+        return losses, weighted, done, skipped, False
 
     def update(self, batch: TensorDict, train_actor: bool = True, kl_coef: float = 0.0) -> dict:
         """Run the PPO epochs on ``batch`` (the global rollout; each rank trains on its slice of
         every minibatch). Returns ``loss/*`` averaged over minibatches and the loss module's other
         metrics as token-weighted means over all micro-batches and ranks, so that neither depends
         on how the batch is split. Skipped (non-finite) minibatches are left out of both."""
-        losses: dict[str, float] = {}
-        weighted: dict[str, float] = {}
         with checkpointing(self.models.actor, self.models.critic):  # no-op unless enabled
-            done, skipped, stopped = self._epochs(batch, train_actor, kl_coef, losses, weighted)
+            losses, weighted, done, skipped, stopped = self._epochs(batch, train_actor, kl_coef)
         losses, weighted = self.dist.mean(losses), self.dist.mean(weighted)
         metrics = {(f"loss/{k[5:]}" if k.startswith("loss_") else k): v / max(done, 1)
                    for k, v in losses.items()}
