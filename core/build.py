@@ -203,7 +203,7 @@ def trainable(module: torch.nn.Module, exclude: torch.nn.Module | None = None) -
 
 
 def make_optimizer(params: list, lr: float, weight_decay: float):
-    """AdamW; fused (one kernel over all parameters, ~2.5x faster steps on CPU) where torch has
+    """AdamW; fused (one kernel over all parameters) where torch has
     that kernel for these tensors, else torch's default foreach implementation."""
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
                                  for p in params)
