@@ -133,6 +133,10 @@ class DistributedConfig:
     nproc: int = 1                    # processes on this machine; > 1 launches torchrun itself
     shard_frozen: bool = True         # FSDP-shard the frozen reference too (false: replicate it)
     bf16: bool = False                # FSDP mixed precision: bf16 compute, fp32 weights and reduction
+    nnodes: int = 1                   # machines in the job; > 1 joins the rendezvous below
+    rdzv_endpoint: str | None = None  # HOST:PORT of the c10d rendezvous (required when nnodes > 1)
+    rdzv_id: str = "rlpipe"           # job id shared by every node of one job
+    timeout_s: float = 600.0          # a collective waiting longer than this fails the run
 
 
 @dataclass

@@ -75,3 +75,51 @@ def tiny_model(tiny_tokenizer) -> LlamaForCausalLM:
 def ctx(tiny_tokenizer, tiny_model) -> RunContext:
     return RunContext(tokenizer=tiny_tokenizer, actor=tiny_model, device=torch.device("cpu"),
                       max_new_tokens=8)
+
+
+# ---- the bad-input harness: one line, exit 2, no traceback, nothing outside the run changed ----
+
+def run_cli(args, cwd=None, env=None, timeout: float = 600):
+    """``python -m rlpipe.cli ARGS`` in a subprocess (a real process: ``sys.exit`` in a plugin,
+    stderr and the exit code are exactly what a user sees). Returns the CompletedProcess."""
+    import os
+    import subprocess
+    import sys
+
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "rlpipe.cli", *map(str, args)], cwd=cwd,
+                          env=full_env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(result, *fragments: str, code: int = 2) -> str:
+    """The run failed with ``code``, printed no traceback, and its stderr holds exactly one
+    ``error: ...`` line (other lines only from ``warning:``) that contains every fragment."""
+    err = result.stderr
+    assert result.returncode == code, (result.returncode, err[-2000:])
+    assert "Traceback" not in err and "Traceback" not in result.stdout, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, err[-2000:]
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+    return errors[0]
+
+
+def snapshot(root) -> dict:
+    """``{relative path: (size, mtime_ns)}`` of every file and link under ``root``: compare two
+    snapshots to prove that nothing there was created, changed or deleted."""
+    from pathlib import Path
+
+    root = Path(root)
+    return {str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file() or p.is_symlink()}
+
+
+@pytest.fixture
+def harness():
+    """The bad-input harness as a fixture (test modules cannot import conftest under
+    ``--import-mode=importlib``): ``harness.run(args)``, ``harness.error(result, ...)``,
+    ``harness.snapshot(root)``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(run=run_cli, error=assert_one_line_error, snapshot=snapshot)
