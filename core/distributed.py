@@ -7,8 +7,8 @@ losses are normalised by the global token count (divided by the world size, sinc
 gradients over ranks). Rank 0 writes
 metrics, checkpoints and the final policy. NCCL on GPU, gloo on CPU.
 
-    rlpipe run CONFIG distributed.nproc=2          # launches torchrun itself
-    torchrun --nproc_per_node=2 -m rlpipe.cli run CONFIG   # or by hand (multi-node: usual flags)
+    rlpipe run CONFIG distributed.nproc=2          # launches torchrun itself (core/launch.py)
+    torchrun --nproc_per_node=2 -m rlpipe.cli run CONFIG   # or by hand / a scheduler: joins it
 
 >>> Dist().world, Dist().is_main
 (1, True)
@@ -17,13 +17,13 @@ metrics, checkpoints and the final policy. NCCL on GPU, gloo on CPU.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 from rlpipe.core import schema as S
 
@@ -33,13 +33,6 @@ _PROMPT_KEYS = (S.PROMPT_IDS, S.PROMPT_MASK)
 def launched() -> bool:
     """True inside a torchrun worker."""
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def launch(argv: list[str], nproc: int) -> int:
-    """Re-run this command under torchrun with ``nproc`` processes on this machine."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", "-m", "rlpipe.cli", *argv]
-    return subprocess.call(cmd)
 
 
 @dataclass
@@ -70,20 +63,37 @@ class Dist:
 
     def gather(self, td: TensorDict) -> TensorDict:
         """Concatenate every rank's rollout in rank order (prompts re-left-padded, responses
-        re-right-padded to the longest, group ids offset to stay unique)."""
+        re-right-padded to the longest, group ids offset to stay unique).
+
+        Tensor collectives: each tensor is padded to the largest batch and width of any rank and
+        all-gathered as it lies (on the GPU under NCCL), then trimmed; only the texts travel as
+        pickled objects. `all_gather_object` of whole TensorDicts, as before, pickled every tensor
+        through host memory (see BENCHMARKS.md, "Collectives")."""
         if not self.enabled:
             return td
-        parts: list = [None] * self.world
-        dist.all_gather_object(parts, td.cpu())
-        width_p = max(p[S.PROMPT_IDS].shape[1] for p in parts)
-        width_r = max(p[S.RESPONSE_IDS].shape[1] for p in parts)
-        offset, padded = 0, []
-        for part in parts:
-            part = _pad(part, width_p, width_r)
-            part[S.GROUP_ID] = part[S.GROUP_ID] + offset
-            offset = int(part[S.GROUP_ID].max()) + 1 if part.batch_size[0] else offset
-            padded.append(part)
-        return torch.cat(padded).to(td.device)
+        device = _collective_device()
+        r = td[S.RESPONSE_IDS].shape[1]
+        shape = torch.tensor([td.batch_size[0], td[S.PROMPT_IDS].shape[1], r], device=device)
+        shapes = _all_gather(shape, self.world).tolist()
+        rows = [s[0] for s in shapes]
+        width_p, width_r = max(s[1] for s in shapes), max(s[2] for s in shapes)
+        out = TensorDict({}, batch_size=[sum(rows)], device=td.device)
+        for key in sorted(td.keys(include_nested=True, leaves_only=True), key=str):
+            value = td.get(key)
+            if isinstance(value, torch.Tensor):
+                value = _pad(value, key, width_p, width_r, r)
+                value = _pad_rows(value, max(rows)).to(device)
+                parts = _all_gather(value, self.world)
+                out.set(key, torch.cat([p[:n] for p, n in zip(parts, rows)]).to(td.device))
+            else:  # texts: a list per rank
+                parts = self.gather_object(list(value.tolist()))
+                out.set(key, NonTensorStack(*(x for part in parts for x in part)))
+        ids, starts = out[S.GROUP_ID], [sum(rows[:i]) for i in range(self.world)]
+        offset = 0
+        for start, n in zip(starts, rows):  # rank k's groups follow rank k-1's
+            ids[start:start + n] += offset
+            offset = int(ids[start:start + n].max()) + 1 if n else offset
+        return out
 
     def barrier(self) -> None:
         if self.enabled:
@@ -98,16 +108,31 @@ class Dist:
         return out
 
 
-def _pad(td: TensorDict, width_p: int, width_r: int) -> TensorDict:
-    r = td[S.RESPONSE_IDS].shape[1]
-    for key, value in td.items():
-        if not isinstance(value, torch.Tensor) or value.ndim < 2:
-            continue
-        if key in _PROMPT_KEYS:
-            td[key] = torch.nn.functional.pad(value, (width_p - value.shape[1], 0))
-        elif value.shape[1] == r:
-            td[key] = torch.nn.functional.pad(value, (0, width_r - r))
-    return td
+def _pad(value: torch.Tensor, key, width_p: int, width_r: int, r: int) -> torch.Tensor:
+    """Prompt-shaped tensors left-padded to ``width_p``, response-shaped ones (width ``r``)
+    right-padded to ``width_r``; [B] tensors as they are."""
+    if value.ndim < 2:
+        return value
+    if key in _PROMPT_KEYS:
+        return torch.nn.functional.pad(value, (width_p - value.shape[1], 0))
+    if value.shape[1] == r:
+        return torch.nn.functional.pad(value, (0, width_r - r))
+    return value
+
+
+def _pad_rows(value: torch.Tensor, rows: int) -> torch.Tensor:
+    extra = value.new_zeros((rows - value.shape[0], *value.shape[1:]))
+    return torch.cat([value, extra])
+
+
+def _all_gather(value: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's ``value`` (same shape on all ranks), stacked in rank order: [world, ...];
+    bool travels as uint8 (gloo has no bool all-gather)."""
+    send = value.to(torch.uint8) if value.dtype == torch.bool else value.contiguous()
+    parts = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(parts, send)
+    out = torch.stack(parts)
+    return out.to(torch.bool) if value.dtype == torch.bool else out
 
 
 def _collective_device() -> torch.device:
@@ -115,14 +140,16 @@ def _collective_device() -> torch.device:
         else torch.device("cpu")
 
 
-def init(device_name: str) -> tuple[Dist, str]:
-    """Join the torchrun job if this process is in one; returns (Dist, device name to use)."""
+def init(device_name: str, timeout_s: float = 600.0) -> tuple[Dist, str]:
+    """Join the torchrun job if this process is in one; returns (Dist, device name to use).
+    A collective that waits more than ``timeout_s`` (a rank died or hangs) raises instead of
+    blocking forever."""
     if not launched() or int(os.environ["WORLD_SIZE"]) == 1:
         return Dist(), device_name
     local_rank = int(os.environ["LOCAL_RANK"])
     use_cuda = device_name != "cpu" and torch.cuda.is_available()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     if use_cuda:
         torch.cuda.set_device(local_rank)
         device_name = f"cuda:{local_rank}"
@@ -157,6 +184,36 @@ def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
     for module in [*_blocks(model), model]:
         fully_shard(module, mp_policy=mp)
     return model
+
+
+@contextmanager
+def unsharded(model: torch.nn.Module):
+    """Inside the block, an FSDP2-sharded ``model`` holds its full parameters and runs with no
+    collective: for generation, where ranks call the model a different number of times (rows end
+    at different tokens), which would deadlock FSDP's per-forward all-gathers. A plain model
+    passes through. Costs one full copy of the weights per rank for the block's duration.
+
+    Enter it outside ``torch.inference_mode()``: parameters gathered there would be inference
+    tensors, which FSDP's next all-gather (in the trainer's scoring pass) cannot write into."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        yield model
+        return
+    root = modules[0]
+    # FSDP2 takes the first FSDP module to run forward as the root; peft's generate enters the
+    # base model, below the root, so settle the root here first (torch has no public call).
+    root._get_fsdp_state()._lazy_init()
+    for m in modules:
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield model
+    finally:
+        for m in modules:  # FSDP2's defaults: blocks reshard after forward, the root does not
+            m.set_reshard_after_forward(m is not root, recurse=False)
+            m.reshard()
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,7 +1,12 @@
-"""FSDP2 on CPU with gloo: 1 and 2 processes give the same update; a 2-process run resumes exactly.
+"""FSDP2 on CPU with gloo, through the CLI, with the real HF collector on the tiny model.
 
-The rollout comes from a deterministic collector plugin (installed as a fake distribution), so the
-runs differ only in how the update is distributed.
+- 1 and 2 processes give the same update: greedy decoding, one prompt per `generate` call
+  (``micro_batch_size=1``), so both see identical rollouts and differ only in how the work is
+  distributed; also with activation checkpointing of the FSDP-wrapped blocks.
+- A sampled 2-process run with a LoRA actor, checkpointed and resumed, equals the same run
+  uninterrupted; its ``final/`` adapter loads with peft.
+- Two "nodes" (two launchers joining one c10d rendezvous on 127.0.0.1) equal one 2-process node.
+- Distributed mistakes give one line and an exit status, never a hang.
 """
 
 import json
@@ -9,7 +14,7 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -18,59 +23,12 @@ import yaml
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-
-FIXED_COLLECTOR = '''
-import zlib
-import torch
-from tensordict import TensorDict
-from rlpipe.core import schema as S
-
-
-class FixedCollector:
-    """Deterministic responses: a function of the prompt only (for exact cross-run comparisons)."""
-
-    def __init__(self, ctx, *, max_new_tokens: int = 12):
-        self.tokenizer, self.device = ctx.tokenizer, ctx.device
-        self.max_new_tokens, self.temperature = max_new_tokens, 1.0
-
-    def collect(self, prompts):
-        rows = []
-        for p in prompts:
-            seed = zlib.crc32(p.encode())
-            ids = self.tokenizer(p, add_special_tokens=False)["input_ids"][-8:] or [5]
-            n = 1 + seed % self.max_new_tokens
-            resp = [(seed >> k) % 300 + 10 for k in range(n)]
-            rows.append((ids, resp, seed % 3 == 0))
-        P = max(len(r[0]) for r in rows)
-        R = max(len(r[1]) for r in rows)
-        pid = torch.zeros(len(rows), P, dtype=torch.long)
-        pm = torch.zeros(len(rows), P, dtype=torch.bool)
-        rid = torch.zeros(len(rows), R, dtype=torch.long)
-        rm = torch.zeros(len(rows), R, dtype=torch.bool)
-        for i, (ids, resp, _) in enumerate(rows):
-            pid[i, P - len(ids):], pm[i, P - len(ids):] = torch.tensor(ids), True
-            rid[i, :len(resp)], rm[i, :len(resp)] = torch.tensor(resp), True
-        td = TensorDict({S.PROMPT_IDS: pid, S.PROMPT_MASK: pm, S.RESPONSE_IDS: rid,
-                         S.RESPONSE_MASK: rm, S.GROUP_ID: torch.arange(len(rows)),
-                         S.FINISHED: torch.tensor([r[2] for r in rows])}, batch_size=[len(rows)])
-        td[S.PROMPT_TEXT] = list(prompts)
-        td[S.RESPONSE_TEXT] = ["x" * len(r[1]) for r in rows]
-        return td.to(self.device)
-
-    def sync_weights(self, model):
-        pass
-'''
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    site = tmp_path_factory.mktemp("site")
-    info = site / "fixedcollector-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fixedcollector\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[rlpipe.collectors]\nfixed = fixedcollector:FixedCollector\n")
-    (site / "fixedcollector.py").write_text(textwrap.dedent(FIXED_COLLECTOR))
-    return site
+CONFIG = ROOT / "examples" / "tiny" / "config.yaml"
+GREEDY = ["collector.temperature=0", "collector.micro_batch_size=1"]
+SMALL = ["run.steps=2", "train.epochs=2", "train.minibatches=2", "--no-progress"]
+UPDATE_KEYS = ("reward/score", "kl/ref", "loss/objective", "loss/critic", "policy/loss",
+               "policy/clipfrac", "policy/approx_kl", "policy/entropy", "value/loss",
+               "value/clipfrac", "response/length", "response/finished_frac")
 
 
 def free_port() -> int:
@@ -79,58 +37,151 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(site, tmp_path, name, *overrides, flags=()):
-    raw = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
-    raw["models"]["actor"]["path"] = str(ROOT / "examples" / "tiny" / "model")
-    raw["data"]["prompts"] = str(ROOT / "examples" / "tiny" / "prompts.txt")
-    raw["collector"] = {"name": "fixed"}
-    raw["run"].update(output_dir=str(tmp_path / name), steps=2)
-    raw["train"].update(epochs=2, minibatches=2, lr=0.003, critic_lr=0.003)
-    config = tmp_path / f"{name}.yaml"
-    config.write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "PYTHONPATH": str(site), "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "rlpipe.cli", "run", str(config), "--no-progress", *flags, *overrides]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return tmp_path / name
+def command(out_dir, *args):
+    return [sys.executable, "-m", "rlpipe.cli", "run", str(CONFIG), f"run.output_dir={out_dir}",
+            *SMALL, *args]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run(out_dir, *args, code=0):
+    out = subprocess.run(command(out_dir, *args), env=ENV, capture_output=True, text=True,
+                         timeout=400, stdin=subprocess.DEVNULL)
+    assert out.returncode == code, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
 
 
 def metrics(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
 
 
-def weights(run_dir):
-    return load_file(str(run_dir / "final" / "model.safetensors"))
+def weights(run_dir, name="model.safetensors"):
+    return load_file(str(Path(run_dir) / "final" / name))
 
 
-GRAD_CKPT = ["models.actor.gradient_checkpointing=true", "models.critic.gradient_checkpointing=true"]
-
-
-@pytest.mark.parametrize("sharded_extra", [[], GRAD_CKPT], ids=["plain", "checkpointed-blocks"])
-def test_one_and_two_processes_give_the_same_update(site, tmp_path, sharded_extra):
-    """Also with activation checkpointing of the FSDP-wrapped blocks on the 2-process side."""
-    one = run(site, tmp_path, "one")
-    two = run(site, tmp_path, "two", "distributed.nproc=2", *sharded_extra)
+def assert_same_update(one, two, rel=1e-4):
     m1, m2 = metrics(one), metrics(two)
-    assert len(m1) == len(m2) == 2  # rank 0 alone writes metrics.jsonl
+    assert [r["step"] for r in m1] == [r["step"] for r in m2] == [1, 2]  # rank 0 alone writes
     for a, b in zip(m1, m2):
-        for key in ("reward/score", "kl/ref", "loss/objective", "loss/critic", "policy/loss",
-                    "policy/clipfrac", "policy/approx_kl", "value/loss", "response/length"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+        for key in UPDATE_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-5), key
     w1, w2 = weights(one), weights(two)
     assert w1.keys() == w2.keys()
     for k in w1:
         assert torch.allclose(w1[k], w2[k], atol=1e-4), k
 
 
-def test_two_process_checkpoint_resumes_identically(site, tmp_path):
-    common = ["distributed.nproc=2", "checkpoint.every=1"]
-    full = run(site, tmp_path, "full", *common, "run.steps=3")
-    run(site, tmp_path, "cut", *common, "run.steps=2")
-    run(site, tmp_path, "cut", *common, "run.steps=3", flags=["--resume"])
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
-                          for r in rows]
-    assert strip(metrics(tmp_path / "cut")) == strip(metrics(full))
-    w_full, w_cut = weights(full), weights(tmp_path / "cut")
-    assert all(torch.equal(w_full[k], w_cut[k]) for k in w_full)
+@pytest.fixture(scope="module")
+def greedy_two(tmp_path_factory):
+    """A 2-process greedy run of the tiny example (shared by the comparisons below)."""
+    out = tmp_path_factory.mktemp("greedy") / "two"
+    run(out, *GREEDY, "distributed.nproc=2")
+    return out
+
+
+GRAD_CKPT = ["models.actor.gradient_checkpointing=true", "models.critic.gradient_checkpointing=true"]
+
+
+def test_one_and_two_processes_give_the_same_update(greedy_two, tmp_path):
+    """Generation, scoring (actor, sharded frozen reference, critic) and the update under FSDP2
+    with the real collector: the update equals one process's."""
+    one = tmp_path / "one"
+    run(one, *GREEDY)
+    assert_same_update(one, greedy_two)
+
+
+def test_checkpointed_blocks_give_the_same_update(greedy_two, tmp_path):
+    two = tmp_path / "two-ckpt"
+    run(two, *GREEDY, "distributed.nproc=2", "distributed.shard_frozen=false", *GRAD_CKPT)
+    assert_same_update(greedy_two, two)
+
+
+def test_two_nodes_on_one_machine_equal_one_node_of_two(greedy_two, tmp_path):
+    """``distributed.nnodes=2``: each launcher is one "node" of one process (loopback only)."""
+    out, port = tmp_path / "nodes", free_port()
+    nodes = ["distributed.nnodes=2", f"distributed.rdzv_endpoint=127.0.0.1:{port}"]
+    procs = [subprocess.Popen(command(out, *GREEDY, *nodes), env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=400) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outputs]
+    assert metrics(out) == metrics(greedy_two)  # the same global rollout and update, exactly
+    assert all(torch.equal(a, b) for a, b in zip(weights(out).values(), weights(greedy_two).values()))
+
+
+def test_lora_two_processes_checkpoint_resume_and_export(tmp_path):
+    """Sampling (a seeded stream per rank), LoRA actor, critic, checkpoints every step: stopped
+    after step 2 and resumed, the run equals the uninterrupted one; ``final/`` is an adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    common = ["distributed.nproc=2", "checkpoint.every=1", "models.actor.lora.r=4",
+              "models.actor.lora.alpha=8", "export.merge_lora=false"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run(full, *common, "run.steps=3")
+    run(cut, *common, "run.steps=2")
+    run(cut, *common, "run.steps=3", "--resume")
+    m_full, m_cut = metrics(full), metrics(cut)
+    assert [r["step"] for r in m_cut] == [1, 2, 3] and m_cut == m_full
+    w_full, w_cut = (weights(d, "adapter_model.safetensors") for d in (full, cut))
+    assert w_full.keys() == w_cut.keys() and all(torch.equal(w_full[k], w_cut[k]) for k in w_full)
+    base = AutoModelForCausalLM.from_pretrained(ROOT / "examples" / "tiny" / "model")
+    policy = PeftModel.from_pretrained(base, cut / "final")
+    assert sum(p.numel() for n, p in policy.named_parameters() if "lora_" in n) > 0
+
+
+# ---- distributed mistakes: one line, an exit status, no hang --------------------------------
+
+def test_more_processes_than_prompts_is_refused_before_launch(tmp_path, harness):
+    out = harness.run(["run", CONFIG, f"run.output_dir={tmp_path / 'r'}", "data.batch_size=2",
+                       "distributed.nproc=3"])
+    harness.error(out, "data.batch_size=2", "3 processes")
+    assert not (tmp_path / "r").exists()
+
+
+def test_resume_at_another_world_size_is_one_line(tmp_path, harness):
+    out = tmp_path / "r"
+    run(out, "distributed.nproc=2", "checkpoint.every=1", "run.steps=1")
+    result = harness.run(["run", CONFIG, f"run.output_dir={out}", *SMALL, "run.steps=2", "--resume"])
+    harness.error(result, "distributed.nproc=2")
+
+
+def test_a_rank_that_dies_ends_the_run_with_its_error(tmp_path, harness):
+    """Rank 1 fails alone (a reward plugin that raises only there): the launcher prints that
+    rank's error line once, stops rank 0 instead of letting it wait, and exits 2."""
+    site = tmp_path / "site"
+    info = site / "rankbomb-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rankbomb\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[rlpipe.rewards]\nrankbomb = rankbomb:score\n")
+    (site / "rankbomb.py").write_text(
+        "import os\n"
+        "def score(prompts, responses, **batch):\n"
+        "    if os.environ.get('RANK') == '1':\n"
+        "        raise RuntimeError('rank one cannot score')\n"
+        "    return [0.0] * len(prompts)\n")
+    raw = yaml.safe_load(CONFIG.read_text())
+    raw["models"]["actor"]["path"] = str(CONFIG.parent / "model")
+    raw["data"]["prompts"] = str(CONFIG.parent / "prompts.txt")
+    raw["rewards"][1] = {"name": "rankbomb"}
+    config = tmp_path / "bomb.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    start = time.monotonic()
+    result = harness.run(["run", config, f"run.output_dir={tmp_path / 'r'}", *SMALL,
+                          "distributed.nproc=2", "distributed.timeout_s=60"],
+                         env={"PYTHONPATH": str(site)})
+    harness.error(result, "rank one cannot score")
+    assert time.monotonic() - start < 200
+
+
+def test_rendezvous_port_in_use_is_one_line(tmp_path, harness):
+    with socket.socket() as busy:  # a port held by something that is not a rendezvous
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = harness.run(["run", CONFIG, f"run.output_dir={tmp_path / 'r'}", *SMALL,
+                              "distributed.nnodes=2", f"distributed.rdzv_endpoint=127.0.0.1:{port}"],
+                             timeout=300)
+    harness.error(result, f"127.0.0.1:{port}")

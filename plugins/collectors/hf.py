@@ -21,6 +21,7 @@ from tensordict import NonTensorStack, TensorDict
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from rlpipe.core import schema
+from rlpipe.core.distributed import unsharded
 from rlpipe.core.errors import UserError
 from rlpipe.core.models import unwrap
 
@@ -131,11 +132,15 @@ class HFCollector:
         prompt_ids, prompt_mask = prompt_ids[:, -width:], prompt_mask[:, -width:]
         tracker = _EndTracker(width, len(prompt_ids), self.eos_ids, self.stop_strings, self.tokenizer,
                               prompt_ids.device)
-        with torch.inference_mode(), _generation_mode(self.model, self.generation_config):
+        # no_grad, not inference_mode: under FSDP2 the gathered parameters would become
+        # inference tensors that the trainer's next all-gather cannot write into. `unsharded`
+        # gathers the actor once, so ranks that stop after different numbers of tokens run no
+        # collective (a no-op for an unsharded model).
+        with torch.no_grad(), unsharded(self.model), \
+                _generation_mode(self.model, self.generation_config):
             out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
                                       generation_config=self.generation_config,
                                       stopping_criteria=StoppingCriteriaList([tracker]))
-        # Outside inference mode, so the trainer can use these tensors in autograd.
         new = out[:, width:]
         finished = tracker.lengths >= 0
         lengths = torch.where(finished, tracker.lengths, new.shape[1])
