@@ -17,6 +17,7 @@ metrics, checkpoints and the final policy. NCCL on GPU, gloo on CPU.
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -154,6 +155,24 @@ def init(device_name: str, timeout_s: float = 600.0) -> tuple[Dist, str]:
         torch.cuda.set_device(local_rank)
         device_name = f"cuda:{local_rank}"
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank), device_name
+
+
+LAUNCHER_ENV = "RLPIPE_LAUNCHED"   # set by core/launch.py for its workers
+LOST_PEER_EXIT = 3                 # a worker that stopped because another one failed
+_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|timeout|"
+                   r"NCCL communicator was aborted|ProcessGroup.*(aborted|shut ?down)")
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """For a collective that failed because another process died or hung, one line saying so;
+    None for any other error (which keeps its traceback)."""
+    if not (dist.is_available() and isinstance(exc, (RuntimeError, dist.DistError))):
+        return None
+    text = str(exc).strip()
+    if not launched() or not _LOST.search(text):
+        return None
+    return (f"a collective failed because another process of the job died or hung (waited at "
+            f"most distributed.timeout_s): {text.splitlines()[0][:200]}")
 
 
 def shutdown(wait: bool = True) -> None:

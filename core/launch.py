@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import os
 import shutil
 import signal
 import socket
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import click
 
+from rlpipe.core.distributed import LAUNCHER_ENV
 from rlpipe.core.errors import UserError
 
 
@@ -47,7 +50,7 @@ def torchrun_args(d, log_dir: str) -> list[str]:
     """torchrun's flags for the ``distributed`` config section ``d``."""
     if d.nnodes > 1:
         where = [f"--nnodes={d.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={d.rdzv_endpoint}",
-                 f"--rdzv-id={d.rdzv_id}", f"--rdzv-conf=join_timeout={int(d.timeout_s)}"]
+                 f"--rdzv-id={d.rdzv_id}", f"--rdzv-conf=join_timeout={math.ceil(d.timeout_s)}"]
     else:
         where = ["--standalone"]
     quiet = ",".join(f"{i}:3" for i in range(1, d.nproc))  # local ranks > 0: stdout+stderr to files
@@ -63,6 +66,7 @@ def launch(argv: list[str], d) -> int:
 
     log_dir = tempfile.mkdtemp(prefix="rlpipe-workers-")
     args = parse_args([*torchrun_args(d, log_dir), "-m", "rlpipe.cli", *argv])
+    os.environ[LAUNCHER_ENV] = "1"  # workers that lose a peer exit quietly: the cause is printed
     logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # its failure report is a page
     try:
         run(args)

@@ -115,7 +115,7 @@ def test_lora_two_processes_checkpoint_resume_and_export(tmp_path):
     """Sampling (a seeded stream per rank), LoRA actor, critic, checkpoints every step: stopped
     after step 2 and resumed, the run equals the uninterrupted one; ``final/`` is an adapter."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     common = ["distributed.nproc=2", "checkpoint.every=1", "models.actor.lora.r=4",
               "models.actor.lora.alpha=8", "export.merge_lora=false"]
@@ -127,7 +127,7 @@ def test_lora_two_processes_checkpoint_resume_and_export(tmp_path):
     assert [r["step"] for r in m_cut] == [1, 2, 3] and m_cut == m_full
     w_full, w_cut = (weights(d, "adapter_model.safetensors") for d in (full, cut))
     assert w_full.keys() == w_cut.keys() and all(torch.equal(w_full[k], w_cut[k]) for k in w_full)
-    base = AutoModelForCausalLM.from_pretrained(ROOT / "examples" / "tiny" / "model")
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(CONFIG.parent / "model"))
     policy = PeftModel.from_pretrained(base, cut / "final")
     assert sum(p.numel() for n, p in policy.named_parameters() if "lora_" in n) > 0
 

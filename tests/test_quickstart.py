@@ -36,12 +36,23 @@ def quickstart_module():
     return module
 
 
-def test_quickstart_end_to_end_cut_down(tmp_path, capsys):
-    from transformers import AutoConfig, AutoModelForCausalLM
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+    """The cut-down quickstart, once: (output folder, run directory, what it printed)."""
+    import contextlib
+    import io
 
     quickstart = quickstart_module()
-    run_dir = quickstart.main([*SMOKE, "--output-dir", str(tmp_path)])
-    out = capsys.readouterr().out
+    tmp_path, printed = tmp_path_factory.mktemp("quickstart"), io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run_dir = quickstart.main([*SMOKE, "--output-dir", str(tmp_path)])
+    return tmp_path, run_dir, printed.getvalue()
+
+
+def test_quickstart_end_to_end_cut_down(quickstart_run):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tmp_path, run_dir, out = quickstart_run
 
     assert run_dir == tmp_path / "ppo"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -59,3 +70,22 @@ def test_quickstart_end_to_end_cut_down(tmp_path, capsys):
     assert rm_config.num_labels == 1
     policy = AutoModelForCausalLM.from_pretrained(run_dir / "final")  # LoRA merged: plain model
     assert policy.config.model_type == "llama" and policy.config.num_hidden_layers == 30
+
+
+def test_quickstart_config_on_two_processes(quickstart_run, harness):
+    """The quickstart's own config through the CLI with ``distributed.nproc=2``: SmolLM2 with a
+    LoRA actor and a LoRA critic, FSDP2 on gloo, the real HF collector and the MiniLM reward model
+    trained above; cut down to two steps of 4 prompts."""
+    tmp_path, _, _ = quickstart_run
+    run_dir = tmp_path / "ppo-2proc"
+    result = harness.run(["run", ROOT / "examples/quickstart/config.yaml", "distributed.nproc=2",
+                          f"run.output_dir={run_dir}", f"rewards.0.path={tmp_path / 'reward_model'}",
+                          "run.steps=2", "data.batch_size=4", "collector.max_new_tokens=8",
+                          "train.epochs=1", "--no-progress"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert all(math.isfinite(r[k]) for k in ("reward/reward_model", "kl/ref", "loss/total"))
+        assert 0 < r["response/length"] <= 8
+    assert (run_dir / "final" / "adapter_config.json").is_file()  # sharded LoRA: the adapter
