@@ -16,7 +16,8 @@ import click
 
 
 def _user_errors(command):
-    """Turn `UserError` into one line on stderr and exit status 2 (unless --debug)."""
+    """Turn `UserError` into one line on stderr (line breaks folded) and exit status 2, unless
+    --debug; a plugin's own exception adds the hint that --debug shows its traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, debug: bool = False, **kwargs):
@@ -27,8 +28,14 @@ def _user_errors(command):
         except UserError as exc:
             if debug:
                 raise
+            from rlpipe.core.registry import PluginError
+
             rank = os.environ.get("RANK", "0")
-            click.echo(f"error: {exc}" if rank == "0" else f"error (rank {rank}): {exc}", err=True)
+            message = " / ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            if isinstance(exc, PluginError) and exc.__cause__ is not None:
+                message += " (--debug shows the traceback)"  # raised by the plugin's own code
+            click.echo(f"error: {message}" if rank == "0" else f"error (rank {rank}): {message}",
+                       err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
@@ -50,25 +57,45 @@ def main():
 @main.command()
 @_config_arg
 @_overrides_arg
-@click.option("--overwrite", is_flag=True, help="Replace an existing, non-empty run.output_dir.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an earlier rlpipe run in run.output_dir (never other files).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (metrics still go to metrics.jsonl).")
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in run.output_dir.")
 @_user_errors
 def run(config_path, overrides, overwrite, no_progress, resume):
     """Train with CONFIG (YAML); KEY=VALUE pairs override it, e.g. run.steps=20."""
     from rlpipe.core import distributed
-    from rlpipe.core.build import check_run_dir
+    from rlpipe.core.build import check_run_dir, finished_message
     from rlpipe.core.config import load_config
     from rlpipe.core.pipeline import train
 
     cfg = load_config(config_path, overrides)
-    if cfg.distributed.nproc > 1 and not distributed.launched():
+    if os.environ.get("RANK", "0") == "0":  # rank 0 alone looks: the others would race its writes
+        check_run_dir(cfg, overwrite, resume, reads=[config_path])  # before any model loads
+    done = finished_message(cfg, resume)
+    if done:  # --resume on a finished run: say so, train nothing (every rank exits alike)
+        if os.environ.get("RANK", "0") == "0":
+            click.echo(done)
+        return
+    if cfg.distributed.nproc * cfg.distributed.nnodes > 1 and not distributed.launched():
+        from rlpipe.core.launch import check_before_launch, launch
+
+        check_before_launch(cfg)
         check_run_dir(cfg, overwrite, resume)  # user errors here, before any process starts
         flags = [f for f, on in (("--overwrite", overwrite), ("--no-progress", no_progress),
                                  ("--resume", resume)) if on]
-        sys.exit(distributed.launch(["run", config_path, *overrides, *flags], cfg.distributed.nproc))
+        sys.exit(launch(["run", config_path, *overrides, *flags], cfg.distributed))
     try:
         run_dir = train(cfg, overwrite=overwrite, progress=not no_progress, resume=resume)
+    except Exception as exc:
+        distributed.shutdown(wait=False)
+        lost = distributed.lost_peer(exc)
+        if lost is None:
+            raise
+        # Another process failed first: rlpipe's launcher prints that process's own error.
+        if not os.environ.get(distributed.LAUNCHER_ENV):
+            click.echo(f"error (rank {os.environ.get('RANK', '?')}): {lost}", err=True)
+        sys.exit(distributed.LOST_PEER_EXIT)
     except BaseException:
         distributed.shutdown(wait=False)
         raise
@@ -108,17 +135,25 @@ def plugins():
 @_user_errors
 def report(run_dir):
     """Plot RUN_DIR's metrics.jsonl as PNGs in RUN_DIR/report/ and print a short summary."""
+    import warnings
+
     from rlpipe.core.report import summary, write_report
 
-    click.echo(summary(run_dir))
-    for path in write_report(run_dir):
+    with warnings.catch_warnings(record=True) as caught:  # each on one line, once
+        warnings.simplefilter("always")
+        text, paths = summary(run_dir), write_report(run_dir)
+    for message in dict.fromkeys(" ".join(str(w.message).split()) for w in caught):
+        click.echo(f"warning: {message}", err=True)
+    click.echo(text)
+    for path in paths:
         click.echo(path)
 
 
 @main.command("train-rm")
 @_config_arg
 @_overrides_arg
-@click.option("--overwrite", is_flag=True, help="Replace an existing, non-empty output_dir.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an earlier train-rm output in output_dir (never other files).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (metrics still go to metrics.jsonl).")
 @_user_errors
 def train_rm(config_path, overrides, overwrite, no_progress):

@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rlpipe.core import registry
+from rlpipe.core import registry, rundir
 from rlpipe.core.config import Config, save_config
 from rlpipe.core.context import RunContext
 from rlpipe.core.errors import UserError
@@ -42,28 +42,48 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def check_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False) -> Path:
-    """The run directory; refuses a non-empty one unless resuming or overwriting (writes nothing)."""
-    run_dir = Path(cfg.run.output_dir).expanduser().resolve()
-    busy = run_dir.exists() and any(run_dir.iterdir())
-    if busy and not (overwrite or resume):
-        raise UserError(f"run directory {run_dir} is not empty; choose another "
-                        f"run.output_dir=..., pass --overwrite, or --resume to continue it")
-    return run_dir
+def check_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
+                  reads=()) -> Path:
+    """The run directory, if this run may use it (see `rlpipe.core.rundir`); writes nothing.
+    ``reads``: input paths beyond those in ``cfg`` (the config file)."""
+    return _check_run_dir(cfg, overwrite, resume, reads)[0]
+
+
+def _check_run_dir(cfg: Config, overwrite: bool, resume: bool, reads=()):
+    """``(run_dir, state, changes)``: `rundir.state`, and the config changes a resume applies."""
+    resume = resume or cfg.run.resume == "auto"
+    run_dir = rundir.output_path(cfg.run.output_dir, "run.output_dir")
+    found = rundir.check_output(run_dir, rundir.RUN_LAYOUT, overwrite, resume, "run.output_dir",
+                                [*rundir.input_paths(cfg), *reads])
+    changes = rundir.resume_changes(run_dir, cfg.to_dict()) if found == "run" and resume else {}
+    return run_dir, found, changes
+
+
+def finished_message(cfg: Config, resume: bool = False) -> str | None:
+    """The line to print instead of training when ``--resume`` meets a finished run."""
+    if not (resume or cfg.run.resume == "auto"):
+        return None
+    run_dir = rundir.output_path(cfg.run.output_dir, "run.output_dir")
+    step = rundir.finished_step(run_dir) if run_dir.is_dir() else None
+    if step is None or step < cfg.run.steps:
+        return None
+    return f"run {run_dir} is already finished at step {step}; raise run.steps to continue"
 
 
 def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
                     is_main: bool = True) -> Path:
-    """Create the run directory and write the resolved config (rank 0 only); refuse to clobber an
-    earlier run. With ``resume`` an existing directory is kept as it is."""
+    """Create the run directory with its marker and resolved config (rank 0 only). An earlier run
+    is kept for ``resume`` and cleared with ``overwrite``; anything else is refused."""
     if not is_main:  # rank 0 checks and writes; another rank would see rank 0's files
         return Path(cfg.run.output_dir).expanduser().resolve()
-    run_dir = check_run_dir(cfg, overwrite, resume)
-    if resume and run_dir.is_dir():
+    run_dir, found, changes = _check_run_dir(cfg, overwrite, resume)
+    if found == "run" and (resume or cfg.run.resume == "auto"):
+        if changes:  # config.yaml is rewritten once the checkpoint is loaded
+            shown = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+            print(f"warning: resuming {run_dir} with changed settings, applied from here on: "
+                  f"{shown}", file=sys.stderr)
         return run_dir
-    if run_dir.exists() and overwrite:
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    rundir.prepare(run_dir, rundir.RUN_LAYOUT, found)
     save_config(cfg, run_dir / "config.yaml")
     return run_dir
 
@@ -112,12 +132,14 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
     """Actor (LoRA optional), reference (a frozen copy of the initial actor, or the LoRA actor with
     adapters disabled), and a critic when the advantage estimator needs one."""
     actor_cfg, critic_cfg = cfg.models.actor, cfg.models.critic
-    tokenizer = load_tokenizer(actor_cfg.path)
-    actor = load_causal_lm(actor_cfg.path, actor_cfg.init, actor_cfg.dtype).to(device)
+    trust = actor_cfg.trust_remote_code
+    tokenizer = load_tokenizer(actor_cfg.path, trust)
+    actor = load_causal_lm(actor_cfg.path, actor_cfg.init, actor_cfg.dtype, trust).to(device)
     critic = None
     if need_critic and not critic_cfg.shared_backbone:  # copied before any LoRA touches the actor
         critic = (ValueModel.from_actor(actor) if critic_cfg.path is None
-                  else ValueModel.from_pretrained(critic_cfg.path, critic_cfg.init))
+                  else ValueModel.from_pretrained(critic_cfg.path, critic_cfg.init,
+                                                   critic_cfg.trust_remote_code))
         if critic_cfg.lora is not None:
             critic.backbone = apply_lora(critic.backbone, critic_cfg.lora, None)
         critic = critic.to(device).eval()
@@ -175,6 +197,8 @@ class Plugins:
 
 
 def _make(group: str, section, ctx: RunContext, where: str):
+    """The plugin instance, tagged with ``where (group:name (distribution version))`` so that
+    errors in its later calls name it (`registry.call`)."""
     obj = registry.load(group, section.name)
     label = f"{where} ({registry.resolve(group, section.name).label})"
     return registry.instantiate(obj, dict(section.args), ctx, label)
@@ -182,7 +206,8 @@ def _make(group: str, section, ctx: RunContext, where: str):
 
 def build_plugins(cfg: Config, ctx: RunContext) -> Plugins:
     collector = _make("collectors", cfg.collector, ctx, "collector")
-    ctx.max_new_tokens = int(getattr(collector, "max_new_tokens", 0))
+    with registry.calling(registry.label_of(collector), "max_new_tokens"):  # a property may raise
+        ctx.max_new_tokens = int(getattr(collector, "max_new_tokens", 0))
     parts = [(r.key, r.weight, _make("rewards", r, ctx, f"rewards.{i}"))
              for i, r in enumerate(cfg.rewards)]
     advantage = _make("advantages", cfg.advantage, ctx, "advantage")

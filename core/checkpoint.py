@@ -1,19 +1,27 @@
-"""Atomic checkpoints of everything a run needs to continue exactly where it stopped.
+"""Atomic, verifiable checkpoints of everything a run needs to continue exactly where it stopped.
 
-A checkpoint is written to ``checkpoints/.tmp-step-N``, completed with a ``COMPLETE`` marker,
-then renamed to ``checkpoints/step-N``: a folder left half-written by a kill is never picked up.
-Weights go to safetensors, the rest to ``state.pt`` read back with ``weights_only=True``: loading
-never unpickles arbitrary objects.
+A checkpoint is written to ``checkpoints/.tmp-step-N``; a ``manifest.json`` records each file's
+size and sha256, then a ``COMPLETE`` marker is written and the folder is renamed to
+``checkpoints/step-N``: a folder left half-written by a kill is never picked up. Pruning an old
+checkpoint removes its marker first, then renames it to ``.trash-step-N`` before deleting it, so a
+kill while pruning never leaves a folder that looks complete. `choose` verifies the newest complete
+checkpoint against its manifest and falls back to the newest intact one. Weights go to
+safetensors, the rest to ``state.pt`` read back with ``weights_only=True``: loading never
+unpickles arbitrary objects. A write that fails (a full disk) removes the new folder and raises a
+`UserError`; the previous checkpoints are untouched.
 
 >>> import tempfile, pathlib, torch
 >>> d = pathlib.Path(tempfile.mkdtemp())
 >>> _ = save(d, 3, {"actor": {"w": torch.zeros(2)}}, {"step": 3}, keep=2)
->>> latest(d).name
-'step-000003'
+>>> latest(d).name, verify(latest(d))
+('step-000003', None)
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -23,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from rlpipe.core.errors import UserError
 
 MARKER = "COMPLETE"
+MANIFEST = "manifest.json"
 
 
 def trainable_state(module: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -33,21 +42,68 @@ def trainable_state(module: torch.nn.Module, full: dict[str, torch.Tensor]) -> d
     return {k: v.detach().to("cpu").contiguous() for k, v in keep.items()}
 
 
+def _digest(path: Path) -> dict:
+    """Size and sha256 of a written file (flushed to disk on the way)."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+        os.fsync(f.fileno())
+    return {"size": path.stat().st_size, "sha256": sha.hexdigest()}
+
+
+def _write(tmp: Path, step: int, weights: dict, state: dict) -> None:
+    tmp.mkdir(parents=True)
+    for name, tensors in weights.items():
+        save_file(tensors, str(tmp / f"{name}.safetensors"))
+    torch.save(state, tmp / "state.pt")
+    files = {p.name: _digest(p) for p in sorted(tmp.iterdir())}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+    (tmp / MARKER).write_text(str(step))
+
+
+def _discard(path: Path) -> None:
+    """Remove a checkpoint folder so that no moment of it looks complete: marker, rename, delete."""
+    if not path.exists():
+        return
+    (path / MARKER).unlink(missing_ok=True)
+    trash = path.with_name(".trash-" + path.name.lstrip("."))
+    shutil.rmtree(trash, ignore_errors=True)
+    path.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def io_failure(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, OSError) or any(s in text for s in (
+        "no space", "quota", "os error", "ioerror", "write failed", "storagefull"))
+
+
 def save(run_dir: Path, step: int, weights: dict, state: dict, keep: int) -> Path:
     """Write ``weights`` (name -> state dict) and ``state`` atomically; keep the newest ``keep``."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, tensors in weights.items():
-        save_file(tensors, str(tmp / f"{name}.safetensors"))
-    torch.save(state, tmp / "state.pt")
-    (tmp / MARKER).write_text(str(step))
-    shutil.rmtree(final, ignore_errors=True)
+    if root.is_dir():  # a kill's leftovers: .tmp-/.trash- folders, a pruned one without marker
+        for stale in [*root.glob(".t*-step-*"),
+                      *(p for p in root.glob("step-*") if not (p / MARKER).is_file())]:
+            shutil.rmtree(stale, ignore_errors=True)
+    try:
+        _write(tmp, step, weights, state)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not io_failure(exc):
+            raise
+        newest = latest(run_dir)
+        kept = f"; {newest.name} is intact" if newest is not None else ""
+        free = shutil.disk_usage(root).free / 2**20 if root.is_dir() else float("nan")
+        reason = " ".join(str(exc).split())
+        raise UserError(f"cannot write checkpoint {final} ({reason}; {free:.0f} MiB free){kept}: "
+                        f"free some space and continue with --resume") from exc
+    _discard(final)  # a damaged checkpoint of the same step, from before a fallback
     tmp.rename(final)
     for old in complete(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)
     return final
 
 
@@ -63,6 +119,38 @@ def complete(run_dir: Path) -> list[Path]:
 def latest(run_dir: Path) -> Path | None:
     found = complete(run_dir)
     return found[-1] if found else None
+
+
+def verify(path: Path) -> str | None:
+    """None if ``path`` matches its manifest (every file present, same size and sha256), else
+    what is wrong."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no readable {MANIFEST}"
+    if "state.pt" not in files:
+        return f"{MANIFEST} lists no state.pt"
+    for name, want in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != want.get("size"):
+            return f"{name} has {file.stat().st_size} bytes, {want.get('size')} expected"
+        if _digest(file)["sha256"] != want.get("sha256"):
+            return f"{name} does not match its sha256"
+    return None
+
+
+def choose(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest intact complete checkpoint, and the newer ones skipped with the reason."""
+    skipped = []
+    for path in reversed(complete(run_dir)):
+        problem = verify(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
 
 
 def load(path: Path, modules: dict) -> dict:

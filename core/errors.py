@@ -7,3 +7,16 @@ keeps its traceback.
 
 class UserError(Exception):
     """A problem the user can fix; the message names it (key, file, plugin)."""
+
+
+def describe(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` (``sys.exit(3)`` for a SystemExit), on one line.
+
+    >>> describe(OSError("no such file\\nmore detail"))
+    'OSError: no such file'
+    """
+    if isinstance(exc, SystemExit):
+        return f"sys.exit({exc.code!r})"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -41,6 +41,26 @@ def flatten(td, prefix: str = "") -> dict[str, float]:
     return out
 
 
+def keep_steps(path: Path, last: int) -> None:
+    """Rewrite ``metrics.jsonl`` with one row per step ``1..last`` (the newest row of a step wins;
+    later steps and unreadable lines, such as one cut by a kill, are dropped); atomic."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    rows = {}
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, int) and 1 <= step <= last:
+            rows[step] = line
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(rows[s] + "\n" for s in sorted(rows)), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class _TensorBoard:
     """Scalars to ``log_dir`` through ``torch.utils.tensorboard`` (needs the tensorboard package)."""
 

@@ -20,48 +20,45 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from rlpipe.core.errors import UserError
+from rlpipe.core.model_files import check_model_dir, check_remote_code, check_weights, loading
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _check_model_dir(path: Path) -> None:
-    if not (path / "config.json").is_file():
-        raise UserError(f"{path}: not a Hugging Face model folder (no config.json)")
-    try:
-        json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path / 'config.json'}: invalid JSON: {exc}") from exc
-
-
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, trust_remote_code: bool = False,
+                   setting: str = "models.actor.trust_remote_code"):
+    """The folder's tokenizer; a broken or remote-code folder is a one-line `UserError`."""
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: cannot load the tokenizer: {exc}") from exc
+    path = Path(path)
+    check_remote_code(path, trust_remote_code, setting)
+    with loading(path, "the tokenizer"):
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
-def load_causal_lm(path: Path, init: str = "pretrained", dtype: str = "float32"):
-    """A causal LM from a local folder: pretrained weights, or fresh weights from its config.json."""
+def load_causal_lm(path: Path, init: str = "pretrained", dtype: str = "float32",
+                   trust_remote_code: bool = False,
+                   setting: str = "models.actor.trust_remote_code"):
+    """A causal LM from a local folder: pretrained weights, or fresh weights from its config.json.
+    The folder is checked first (`rlpipe.core.model_files`); any load error is one line."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    _check_model_dir(path)
-    try:
+    path = Path(path)
+    check_model_dir(path, trust_remote_code, setting)
+    remote = {"trust_remote_code": trust_remote_code}
+    with loading(path, "the model"):
         if init == "random":
-            config = AutoConfig.from_pretrained(str(path))
-            model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype])
+            config = AutoConfig.from_pretrained(str(path), **remote)
+            model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype], **remote)
         else:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype])
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: cannot load the model: {exc}") from exc
+            check_weights(path)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype], **remote)
     return model.eval()  # eval always: no dropout, so the on-policy ratio is exactly 1
 
 
@@ -125,18 +122,22 @@ class ValueModel(nn.Module):
         return critic
 
     @classmethod
-    def from_pretrained(cls, path: Path, init: str = "pretrained") -> "ValueModel":
+    def from_pretrained(cls, path: Path, init: str = "pretrained", trust_remote_code: bool = False,
+                        setting: str = "models.critic.trust_remote_code") -> "ValueModel":
+        """A fresh value head on the folder's backbone (checked as in `load_causal_lm`)."""
         from transformers import AutoConfig, AutoModel
 
-        _check_model_dir(path)
-        try:
+        path = Path(path)
+        check_model_dir(path, trust_remote_code, setting)
+        remote = {"trust_remote_code": trust_remote_code}
+        with loading(path, "the critic backbone"):
             if init == "random":
-                backbone = AutoModel.from_config(AutoConfig.from_pretrained(str(path)))
+                config = AutoConfig.from_pretrained(str(path), **remote)
+                backbone = AutoModel.from_config(config, **remote)
             else:
-                backbone = AutoModel.from_pretrained(str(path))
-        except (OSError, ValueError) as exc:
-            raise UserError(f"{path}: cannot load the critic backbone: {exc}") from exc
-        return cls(backbone, backbone.config.hidden_size)
+                check_weights(path)
+                backbone = AutoModel.from_pretrained(str(path), **remote)
+            return cls(backbone, backbone.config.hidden_size)
 
     def forward(self, input_ids, attention_mask, position_ids):
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
@@ -144,7 +145,9 @@ class ValueModel(nn.Module):
         return self.values(out.last_hidden_state)
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).squeeze(-1).float()
+        # A new tensor, not a view (squeeze): FSDP2 warns that an in-place op on a view output
+        # would skip its pre-backward hook. Summing one element is exact.
+        return self.head(hidden).sum(-1).float()
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

@@ -11,18 +11,19 @@ PosixPath('.../runs/tiny')
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import build, checkpoint, distributed, kl, schema
-from rlpipe.core.config import Config
+from rlpipe.core import build, checkpoint, distributed, guards, kl, registry, rundir, schema
+from rlpipe.core.config import Config, save_config
 from rlpipe.core.context import RunContext
 from rlpipe.core.data import PromptStream, load_prompts
 from rlpipe.core.errors import UserError
-from rlpipe.core.metrics import MetricsWriter, to_float
+from rlpipe.core.metrics import MetricsWriter, keep_steps, to_float
 from rlpipe.core.models import logprobs_and_values, response_logprobs
 from rlpipe.core.ops import masked_mean
 from rlpipe.core.update import Updater
@@ -48,7 +49,7 @@ class Pipeline:
         self.cfg, self.progress = cfg, progress and cfg.log.progress
         self.resume = resume or cfg.run.resume == "auto"
         build.seed_everything(cfg.run.seed)
-        self.dist, device_name = distributed.init(cfg.run.device)
+        self.dist, device_name = distributed.init(cfg.run.device, cfg.distributed.timeout_s)
         self.device = build.resolve_device(device_name)
         self.run_dir = build.prepare_run_dir(cfg, overwrite, self.resume, self.dist.is_main)
         self.dist.barrier()  # the run directory exists for every rank from here on
@@ -103,7 +104,10 @@ class Pipeline:
         # 1. collect: sample responses for this rank's share of a batch of prompts
         self.models.actor.eval()
         prompts = _share(self.prompts.next_batch(), self.dist.rank, self.dist.world)
-        batch = self.plugins.collector.collect(prompts).to(self.device)
+        collector = self.plugins.collector  # plugin calls: an error names the plugin
+        batch = guards.check_output(registry.call(collector.collect, prompts), collector,
+                                    required=(*_INPUTS, S.GROUP_ID, S.FINISHED))
+        batch = batch.to(self.device)
         self._check(batch, [*_INPUTS, S.GROUP_ID, S.FINISHED], "collector")
         t_rollout = time.perf_counter() - t0
         # 2. log-probs of the sampling policy and the reference, values of the critic
@@ -116,11 +120,14 @@ class Pipeline:
         # 4. KL shaping: score on the last valid token, -beta * KL on every token
         kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], self.cfg.kl.estimator)
         kl_tok = kl_tok * mask
+        guards.check_kl(batch, kl_tok, self.cfg.kl.estimator)
         coef = self.kl_ctl.value
         reward_coef = coef if self.cfg.kl.in_ == "reward" else 0.0
         batch[S.REWARD] = kl.shape_reward(batch[S.SCORE], kl_tok, mask, reward_coef)
         # 5. advantage and value targets
-        batch = self.plugins.advantage(batch)
+        advantage = self.plugins.advantage
+        batch = guards.check_output(registry.call(advantage, batch), advantage,
+                                    (S.ADVANTAGE, S.VALUE_TARGET), required=(S.ADVANTAGE,))
         self._check(batch, [S.REWARD, S.ADVANTAGE, S.VALUE_TARGET], "advantage")
         # 6. PPO epochs over minibatches (the critic alone during critic warm-up)
         t1 = time.perf_counter()
@@ -129,7 +136,7 @@ class Pipeline:
         update_metrics = self.updater.update(batch, train_actor=not warmup, kl_coef=kl_loss_coef)
         t_update = time.perf_counter() - t1
         # 7. weight sync: push the updated actor to the generation engine
-        self.plugins.collector.sync_weights(self.models.actor)
+        registry.call(self.plugins.collector.sync_weights, self.models.actor)
         seq_kl = to_float(kl_tok.sum(-1).mean())
         self.kl_ctl.update(seq_kl, batch.batch_size[0])
         self.step_count += 1
@@ -192,42 +199,95 @@ class Pipeline:
         self.dist.barrier()
 
     def _restore(self) -> None:
-        """Continue from the newest complete checkpoint; drop metric rows written after it."""
-        path = checkpoint.latest(self.run_dir)
-        if path is None:
-            return
-        self.load_state_dict(checkpoint.load(path, self._modules()))
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.is_file() and self.dist.is_main:
-            lines = metrics.read_text().splitlines()[: self.step_count]
-            metrics.write_text("".join(line + "\n" for line in lines))
+        """Continue from the newest intact checkpoint (newer damaged ones are skipped, saying so),
+        or from step 0 without one; keep each metric row up to there once; apply changed settings."""
+        changes = rundir.resume_changes(self.run_dir, self.cfg.to_dict())
+        path, skipped = checkpoint.choose(self.run_dir)
+        self.dist.barrier()  # every rank has read config.yaml and chosen before rank 0 rewrites it
+        damaged = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+        if path is None and skipped:
+            raise UserError(f"no intact checkpoint in {self.run_dir / 'checkpoints'} ({damaged}); "
+                            f"start again with --overwrite")
+        if skipped and self.dist.is_main:
+            print(f"warning: skipping damaged checkpoint(s) ({damaged}); resuming from {path.name}",
+                  file=sys.stderr)
+        if path is not None:
+            state = checkpoint.load(path, self._modules())
+            if int(state["step"]) > self.cfg.run.steps:
+                raise UserError(f"run.steps={self.cfg.run.steps}: {path} is already at step "
+                                f"{state['step']}; raise run.steps to continue it")
+            self._load_changed(state, changes)
+        if self.dist.is_main:
+            keep_steps(self.run_dir / "metrics.jsonl", self.step_count)
+            save_config(self.cfg, self.run_dir / "config.yaml")
         self.dist.barrier()
+
+    def _load_changed(self, state: dict, changes: dict) -> None:
+        """`load_state_dict`, then the settings of this config where they differ from the saved
+        one: a changed ``kl`` section restarts the KL coefficient, changed rewards keep only the
+        score statistics, and the learning rates and weight decay always come from ``train``."""
+        fresh_kl, fresh_rewards = self.kl_ctl.state_dict(), self.plugins.rewards.state_dict()
+        if any(k.startswith(("rewards.", "reward.")) for k in changes):
+            state["rewards"] = {**fresh_rewards, **{k: v for k, v in state["rewards"].items()
+                                                    if k.startswith("score_")}}
+        self.load_state_dict(state)
+        if any(k.startswith("kl.") for k in changes):
+            self.kl_ctl.load_state_dict(fresh_kl)
+        t = self.cfg.train
+        lrs = {"actor": t.lr, "critic": t.critic_lr}
+        for name, opt in self.updater.opts.items():
+            sched = self.updater.scheds[name]
+            sched.base_lrs = [lrs[name]] * len(opt.param_groups)
+            for group, factor in zip(opt.param_groups, sched.lr_lambdas):
+                group.update(initial_lr=lrs[name], lr=lrs[name] * factor(sched.last_epoch),
+                             weight_decay=t.weight_decay)
+            sched._last_lr = [group["lr"] for group in opt.param_groups]
 
     def save_final(self) -> Path:
         """``final/``: a ``save_pretrained`` folder of the policy (LoRA merged into a copy, or the
-        adapter alone with ``export.merge_lora: false``) and its tokenizer."""
+        adapter alone with ``export.merge_lora: false``) and its tokenizer; the run's marker then
+        records the step (`rundir.finished_step`)."""
+        final = self.run_dir / "final"
+        try:
+            self._export(final)
+        except Exception as exc:
+            if not checkpoint.io_failure(exc):
+                raise
+            reason = " ".join(str(exc).split())
+            raise UserError(f"cannot write {final} ({reason}); the newest checkpoint is intact: "
+                            f"free some space and continue with --resume") from exc
+        if self.dist.is_main:
+            rundir.write_marker(self.run_dir, "run", finished_step=self.step_count)
+        self.dist.barrier()
+        return final
+
+    def _export(self, final: Path) -> None:
         import copy
 
-        final, actor = self.run_dir / "final", self.models.actor
+        actor = self.models.actor
         if self.dist.enabled:  # gather the shards; a sharded LoRA model exports its adapter
             state = distributed.full_state(actor)
             if self.dist.is_main:
                 actor.save_pretrained(final, state_dict=state)
                 self.models.tokenizer.save_pretrained(final)
-            self.dist.barrier()
-            return final
+            return
         if hasattr(actor, "merge_and_unload") and self.cfg.export.merge_lora:
             actor = copy.deepcopy(actor).merge_and_unload()  # a copy: the training model keeps LoRA
         actor.save_pretrained(final)
         self.models.tokenizer.save_pretrained(final)
-        return final
 
     def train(self) -> Path:
-        """Run the remaining steps, append metrics (rank 0), checkpoint, save the final policy."""
+        """Run the remaining steps, append metrics (rank 0), checkpoint, save the final policy.
+        Resuming a run whose ``final/`` is at ``run.steps`` already says so and trains nothing."""
         cfg, log = self.cfg, self.cfg.log
         if self.resume:
+            done = build.finished_message(cfg, resume=True)
+            if done:
+                print(done)
+                return self.run_dir
             self._restore()
-        writer = (MetricsWriter(self.run_dir / "metrics.jsonl", cfg.run.steps, self.progress,
+        metrics_path = self.run_dir / "metrics.jsonl"
+        writer = (MetricsWriter(metrics_path, cfg.run.steps, self.progress,
                                 initial=self.step_count, tensorboard=log.tensorboard,
                                 wandb=log.wandb, wandb_project=log.wandb_project,
                                 run_name=self.run_dir.name)
@@ -236,7 +296,11 @@ class Pipeline:
             while self.step_count < cfg.run.steps:
                 _, metrics = self.step()
                 if self.dist.is_main:
-                    writer.write({"step": self.step_count, **metrics})
+                    try:
+                        writer.write({"step": self.step_count, **metrics})
+                    except OSError as exc:
+                        raise UserError(f"cannot write {metrics_path} ({exc}); continue with "
+                                        f"--resume once there is space") from exc
                 every = cfg.checkpoint.every
                 if every and (self.step_count % every == 0 or self.step_count == cfg.run.steps):
                     self.save_checkpoint()

@@ -14,6 +14,7 @@ others down. ``RLPIPE_DISABLE_PLUGIN_AUTOLOAD=1`` restricts the registry to rlpi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from importlib.metadata import entry_points
 
 from torch import nn
 
-from rlpipe.core.errors import UserError
+from rlpipe.core.errors import UserError, describe
 
 GROUPS = ("collectors", "rewards", "advantages", "losses")
 BUILTIN_DIST = "rlpipe"
@@ -107,10 +108,14 @@ def _import(spec: PluginSpec):
         obj = __import__(module_name, fromlist=["_"])
         for part in filter(None, attr.split(".")):
             obj = getattr(obj, part)
-    except Exception as exc:  # noqa: BLE001 - any failure of third-party code is reported, not raised
-        raise PluginError(f"{spec.label}: failed to import {spec.value}: "
-                          f"{type(exc).__name__}: {exc}") from exc
-    problem = _CHECKS[spec.group](obj)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - third-party code, sys.exit included, is reported
+        raise PluginError(f"{spec.label}: failed to import {spec.value}: {describe(exc)}") from exc
+    try:
+        problem = _CHECKS[spec.group](obj)
+    except Exception as exc:  # noqa: BLE001 - e.g. a metaclass that raises on inspection
+        problem = describe(exc)
     if problem:
         raise PluginError(f"{spec.label}: wrong shape: {problem}")
     if spec.group == "rewards" and inspect.isfunction(obj):
@@ -147,13 +152,64 @@ def init_params(obj) -> dict[str, inspect.Parameter]:
 
 
 def instantiate(obj, kwargs: dict, ctx=None, label: str = "plugin"):
-    """Build a plugin: config keys as keyword arguments, plus ``ctx`` if the constructor asks."""
-    if "ctx" in inspect.signature(obj).parameters:
-        kwargs = {**kwargs, "ctx": ctx}
+    """Build a plugin: config keys as keyword arguments, plus ``ctx`` if the constructor asks.
+
+    Whatever the constructor raises (``sys.exit`` included) becomes a `PluginError` naming
+    ``label``; a `UserError` keeps its own message. The instance is tagged with ``label``."""
+    with calling(label, "__init__"):
+        if "ctx" in inspect.signature(obj).parameters:
+            kwargs = {**kwargs, "ctx": ctx}
+        instance = obj(**kwargs)
+    tag(instance, label)
+    return instance
+
+
+LABEL_ATTR = "rlpipe_plugin_label"
+
+
+def tag(instance, label: str) -> None:
+    """Remember on ``instance`` which plugin it is, for errors raised when core calls it later."""
     try:
-        return obj(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise PluginError(f"{label}: {exc}") from exc
+        setattr(instance, LABEL_ATTR, label)
+    except Exception:  # noqa: BLE001 - __slots__ or a frozen object: `label_of` falls back
+        pass
+
+
+def label_of(obj) -> str:
+    """The label `instantiate` gave ``obj`` (a bound method's owner counts), else its class."""
+    owner = getattr(obj, "__self__", obj)
+    label = getattr(owner, LABEL_ATTR, None)
+    if isinstance(label, str):
+        return label
+    cls = owner if inspect.isclass(owner) else type(owner)
+    return f"plugin {cls.__module__}.{cls.__qualname__}"
+
+
+@contextlib.contextmanager
+def calling(label: str, what: str = "call"):
+    """Run plugin code: an exception or ``sys.exit`` inside becomes a `PluginError` naming the
+    plugin (``label``) and the method (``what``). `UserError` and KeyboardInterrupt pass as they are.
+
+    >>> try:
+    ...     with calling("loss (rlpipe.losses:x (dist 1.0))", "forward"):
+    ...         raise SystemExit(3)
+    ... except PluginError as exc:
+    ...     print(exc)
+    loss (rlpipe.losses:x (dist 1.0)) failed in forward: sys.exit(3)
+    """
+    try:
+        yield
+    except (UserError, KeyboardInterrupt):
+        raise
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - plugin code: report, do not crash
+        raise PluginError(f"{label} failed in {what}: {describe(exc)}") from exc
+
+
+def call(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` for a plugin object or one of its bound methods, under `calling`."""
+    what = getattr(fn, "__name__", "forward") if hasattr(fn, "__self__") else "forward"
+    with calling(label_of(fn), what):
+        return fn(*args, **kwargs)
 
 
 def status_table() -> list[tuple[PluginSpec, str]]:

@@ -10,8 +10,8 @@ A resumed run may log a step twice; the last row for a step wins.
 
 from __future__ import annotations
 
-
 import math
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,29 +45,66 @@ PANELS = (
 )
 
 
+PLOT_LIMIT = 1e300   # larger magnitudes overflow axis scaling: left out, with a warning
+MAX_STEP = 2 ** 53   # steps must be exact as floats
+
+
+class ReportWarning(UserWarning):
+    """Values of ``metrics.jsonl`` that the report leaves out (``rlpipe report`` prints
+    ``warning: ...``)."""
+
+
+def _number(value) -> float:
+    """A metric value as a float: NaN unless it is a JSON number (not a bool); an int too large
+    for a float becomes +-inf."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def load_metrics(run_dir: Path) -> list[dict]:
-    """The rows of ``run_dir/metrics.jsonl``, one per step, sorted by step (last row per step wins)."""
+    """The rows of ``run_dir/metrics.jsonl``, one per step, sorted by step (last row per step wins).
+
+    Each value becomes a float (NaN where null, not a number, or non-finite); a number beyond
+    ``PLOT_LIMIT`` becomes NaN with a `ReportWarning`. A line that is not a JSON object with an
+    integer ``step`` (or not UTF-8) is a `UserError` naming ``file:line``."""
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
     if not run_dir.is_dir():
         raise UserError(f"run directory not found: {run_dir}")
     if not path.is_file():
         raise UserError(f"no metrics.jsonl in {run_dir}: not a run directory, or no step finished yet")
-    rows = {}
+    rows, huge = {}, {}
     for lineno, row in read_jsonl(path):
-        if not isinstance(row.get("step"), int):
-            raise UserError(f"{path}:{lineno}: expected a JSON object with an integer 'step'")
-        rows[row["step"]] = row
+        step = row.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or abs(step) > MAX_STEP:
+            raise UserError(f"{path}:{lineno}: expected a JSON object with an integer 'step' "
+                            f"(|step| <= 2**53)")
+        values = {key: _number(v) for key, v in row.items() if key != "step"}
+        for key, v in values.items():
+            if abs(v) > PLOT_LIMIT and math.isfinite(v):
+                huge[key], values[key] = huge.get(key, 0) + 1, math.nan
+        rows[step] = {"step": step, **values}
     if not rows:
         raise UserError(f"{path} is empty: no step finished yet")
+    if huge:
+        names = ", ".join(sorted(huge)[:5]) + (", ..." if len(huge) > 5 else "")
+        warnings.warn(f"{path}: {sum(huge.values())} values beyond +-{PLOT_LIMIT:g} left out "
+                      f"({names})", ReportWarning, stacklevel=2)
     return [rows[step] for step in sorted(rows)]
 
 
 def _series(rows: list[dict], key: str) -> list[float]:
     """One metric per row; NaN where absent, null (non-finite when logged) or not a number."""
-    values = (row.get(key) for row in rows)
-    return [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
-            for v in values]
+    return [row.get(key, math.nan) for row in rows]
+
+
+def _text(name: str) -> str:
+    """``name`` for a matplotlib label: a ``$`` is a dollar sign, never the start of mathtext."""
+    return name.replace("$", r"\$")
 
 
 def _finite(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -91,13 +128,13 @@ def _draw(ax, rows: list[dict], panel: Panel) -> None:
     steps = [row["step"] for row in rows]
     style = {"marker": "o", "markersize": 3} if len(rows) <= 50 else {}
     left, right = _expand(panel.left, rows), _expand(panel.right, rows)
-    lines = [ax.plot(steps, _series(rows, k), color=f"C{i}", label=k,
+    lines = [ax.plot(steps, _series(rows, k), color=f"C{i}", label=_text(k),
                      linewidth=3 if i == 0 and len(left) > 1 else 1.5, **style)[0]
              for i, k in enumerate(left)]
     if right:
         twin = ax.twinx()
         lines += [twin.plot(steps, _series(rows, k), color=f"C{len(left) + i}", linestyle="--",
-                            label=k, **style)[0] for i, k in enumerate(right)]
+                            label=_text(k), **style)[0] for i, k in enumerate(right)]
         twin.set_ylabel(panel.right_label)
     ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel)
     ax.grid(True, alpha=0.3)
@@ -125,24 +162,44 @@ def write_report(run_dir: Path) -> list[Path]:
     if not panels:
         raise UserError(f"{run_dir / 'metrics.jsonl'}: none of the plotted metrics were logged")
     Figure = _figure_class()
-    out = run_dir / "report"
-    out.mkdir(exist_ok=True)
+    import matplotlib
+
+    out = _report_dir(run_dir)
     nrows = math.ceil(len(panels) / 2)
-    fig = Figure(figsize=(12, 3.4 * nrows), layout="constrained")
-    fig.suptitle(f"{run_dir.name}: {len(rows)} steps")
-    grid = fig.subplots(nrows, 2, squeeze=False).flat
-    for ax, panel in zip(grid, panels):
-        _draw(ax, rows, panel)
-    for ax in list(grid):                    # the empty cell of an odd panel count
-        ax.set_visible(False)
-    paths = [out / "overview.png"]
-    fig.savefig(paths[0], dpi=100)
-    for panel in panels:
-        fig = Figure(figsize=(6.4, 3.6), layout="constrained")
-        _draw(fig.subplots(), rows, panel)
-        paths.append(out / f"{panel.name}.png")
-        fig.savefig(paths[-1], dpi=100)
+    with matplotlib.rc_context({"text.usetex": False}):  # whatever the user's matplotlibrc says
+        fig = Figure(figsize=(12, 3.4 * nrows), layout="constrained")
+        fig.suptitle(_text(f"{run_dir.name}: {len(rows)} steps"))
+        grid = fig.subplots(nrows, 2, squeeze=False).flat
+        for ax, panel in zip(grid, panels):
+            _draw(ax, rows, panel)
+        for ax in list(grid):                    # the empty cell of an odd panel count
+            ax.set_visible(False)
+        paths = [_save(fig, out / "overview.png")]
+        for panel in panels:
+            fig = Figure(figsize=(6.4, 3.6), layout="constrained")
+            _draw(fig.subplots(), rows, panel)
+            paths.append(_save(fig, out / f"{panel.name}.png"))
     return paths
+
+
+def _report_dir(run_dir: Path) -> Path:
+    """``run_dir/report``, created; a file in its place or an unwritable run dir is one line."""
+    out = run_dir / "report"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a directory; move it away to write the report")
+    try:
+        out.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create {out}: {exc.strerror or exc}") from None
+    return out
+
+
+def _save(fig, path: Path) -> Path:
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return path
 
 
 def summary(run_dir: Path) -> str:

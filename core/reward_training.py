@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -28,9 +27,11 @@ import torch.nn.functional as F
 
 from rlpipe.core.build import (apply_lora, make_optimizer, resolve_device, seed_everything,
                                trainable)
+from rlpipe.core import rundir
 from rlpipe.core.config import LoraConfig, build_section, read_config_file
 from rlpipe.core.data import read_jsonl
 from rlpipe.core.errors import UserError
+from rlpipe.core.model_files import check_model_dir, check_weights, loading
 from rlpipe.plugins.rewards.reward_model import load_rm_tokenizer, rm_inputs, score_texts
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -41,6 +42,7 @@ class RMModelConfig:
     path: Path                                      # a Hugging Face folder: classifier or backbone
     init: Literal["pretrained", "random"] = "pretrained"  # random: fresh weights from config.json
     lora: LoraConfig | None = None                  # None: full fine-tuning; set: LoRA + trained head
+    trust_remote_code: bool = False                 # true: allow a folder's own code (auto_map)
 
 
 @dataclass
@@ -128,31 +130,29 @@ def build_reward_model(cfg: RMModelConfig, device: torch.device):
     """Tokenizer and one-output classifier (LoRA-wrapped if configured, head kept trainable)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    tokenizer = load_rm_tokenizer(cfg.path)
-    try:
+    setting, remote = "model.trust_remote_code", {"trust_remote_code": cfg.trust_remote_code}
+    check_model_dir(cfg.path, cfg.trust_remote_code, setting)
+    tokenizer = load_rm_tokenizer(cfg.path, cfg.trust_remote_code, setting)
+    with loading(cfg.path, "a sequence classifier (model.path)"):
         if cfg.init == "random":
-            config = AutoConfig.from_pretrained(str(cfg.path), num_labels=1)
-            model = AutoModelForSequenceClassification.from_config(config)
+            config = AutoConfig.from_pretrained(str(cfg.path), num_labels=1, **remote)
+            model = AutoModelForSequenceClassification.from_config(config, **remote)
         else:
+            check_weights(cfg.path)
             model = AutoModelForSequenceClassification.from_pretrained(  # other heads: a fresh one
-                str(cfg.path), num_labels=1, ignore_mismatched_sizes=True)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"model.path: {cfg.path}: cannot load a sequence classifier: {exc}") from exc
+                str(cfg.path), num_labels=1, ignore_mismatched_sizes=True, **remote)
     model.config.pad_token_id = tokenizer.pad_token_id  # the classifier reads the last non-pad token
     if cfg.lora is not None:
         model = apply_lora(model, cfg.lora, "SEQ_CLS")  # peft keeps the head in modules_to_save
     return tokenizer, model.to(device)
 
 
-def _prepare_output(output_dir: str, overwrite: bool) -> Path:
-    out = Path(output_dir).expanduser().resolve()
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise UserError(f"output directory {out} is not empty; choose another "
-                            f"output_dir=... or pass --overwrite")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+def _check_output(cfg: RMConfig, overwrite: bool) -> tuple[Path, str]:
+    """The output folder and its `rundir.state`, if it may be used (the same rules as a run
+    directory: ``--overwrite`` replaces only an earlier ``train-rm`` output)."""
+    out = rundir.output_path(cfg.output_dir, "output_dir")
+    return out, rundir.check_output(out, rundir.RM_LAYOUT, overwrite, False, "output_dir",
+                                    rundir.input_paths(cfg))
 
 
 class RewardModelTrainer:
@@ -160,6 +160,7 @@ class RewardModelTrainer:
 
     def __init__(self, cfg: RMConfig, overwrite: bool = False, progress: bool = True):
         self.cfg, self.progress = cfg, progress
+        out, found = _check_output(cfg, overwrite)  # before anything is loaded
         seed_everything(cfg.train.seed)
         self.device = resolve_device(cfg.train.device)
         pairs = load_pairs(cfg.data.pairs)
@@ -167,7 +168,8 @@ class RewardModelTrainer:
         self.tokenizer, self.model = build_reward_model(cfg.model, self.device)
         self.optimizer = make_optimizer(trainable(self.model), cfg.train.lr, cfg.train.weight_decay)
         self.shuffle = torch.Generator().manual_seed(cfg.train.seed)
-        self.out_dir = _prepare_output(cfg.output_dir, overwrite)
+        rundir.prepare(out, rundir.RM_LAYOUT, found)
+        self.out_dir = out
 
     def rewards(self, pairs) -> tuple[torch.Tensor, torch.Tensor]:
         """``(r_chosen, r_rejected)`` for a list of pairs, in one forward (with grad)."""

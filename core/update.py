@@ -15,7 +15,7 @@ import warnings
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import build, kl, schema
+from rlpipe.core import build, guards, kl, registry, schema
 from rlpipe.core.data import PtxStream
 from rlpipe.core.errors import UserError
 from rlpipe.core.metrics import flatten
@@ -48,6 +48,7 @@ class Updater:
         # a loss that declares entropy_coef = 0 logs the entropy without differentiating it
         self.entropy_grad = getattr(loss, "entropy_coef", 1.0) != 0
         self.bad_in_a_row = 0
+        self.bad_terms: list[str] = []  # non-finite loss_* entries of this minibatch
 
     def _micro_step(self, micro: TensorDict, kl_coef: float) -> TensorDict:
         """Forward the current models on one micro-batch, run the loss, backward; return its output."""
@@ -58,12 +59,15 @@ class Updater:
         micro[S.LOG_PROB], micro[S.ENTROPY] = logp, entropy
         if values is not None:
             micro[S.VALUE_PRED] = values
-        out = self.loss(micro)
+        out = registry.call(self.loss, micro)  # an error in the plugin names it
+        guards.loss_terms(out, self.loss)
         if kl_coef:  # kl.in: loss -- the KL penalty as a loss term instead of in the reward
             kl_tok = kl.kl_per_token(micro[S.LOG_PROB], micro[S.REF_LOG_PROB], self.cfg.kl.estimator)
             kl_sum = torch.where(micro[S.RESPONSE_MASK], kl_tok, 0.0).sum()
             out["loss_kl"] = kl_coef * kl_sum / micro[S.NUM_TOKENS][0].clamp(min=1)
         losses = [v for k, v in out.items() if k.startswith("loss_")]
+        self.bad_terms += [k for k, v in out.items() if k.startswith("loss_")
+                           and k not in self.bad_terms and guards.nonfinite(v)]
         total = sum(losses)
         total.backward()
         out["loss_total"] = total.detach()
@@ -86,12 +90,16 @@ class Updater:
             warnings.warn(f"non-finite loss or gradient: minibatch skipped "
                           f"({self.bad_in_a_row} in a row)", RuntimeWarning, stacklevel=2)
             if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
+                what = (f"non-finite {', '.join(self.bad_terms)}" if self.bad_terms else
+                        "non-finite loss" if not math.isfinite(loss_total) else "non-finite gradient")
                 raise TrainingDiverged(
                     f"training diverged: {self.bad_in_a_row} consecutive minibatches with a "
-                    f"non-finite loss or gradient; the last checkpoint is intact (lower train.lr, "
-                    f"set train.max_grad_norm, or check the rewards)")
+                    f"non-finite loss or gradient (last: {what}; loss plugin "
+                    f"{registry.label_of(self.loss)}); the last checkpoint is intact (lower "
+                    f"train.lr, set train.max_grad_norm, or check the rewards)")
         for opt in self.opts.values():
             opt.zero_grad(set_to_none=True)
+        self.bad_terms = []
         return finite
 
     def _minibatches(self, size: int):
@@ -172,23 +180,24 @@ class Updater:
                         "train/lr": self.scheds["actor"].get_last_lr()[0]})
         return metrics
 
-    def state_dict(self) -> dict:
-        """Full (unsharded, FQN-keyed) optimizer states; a collective under FSDP."""
+    def state_dict(self, sharded: bool = False) -> dict:
+        """Optimizer states keyed by parameter name (a collective under FSDP): full and on CPU,
+        or with ``sharded`` each rank's own DTensor shards, for torch.distributed.checkpoint."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        opts = {k: get_optimizer_state_dict(getattr(self.models, k), o, options=full)
+        options = StateDictOptions(full_state_dict=not sharded, cpu_offload=not sharded)
+        opts = {k: get_optimizer_state_dict(getattr(self.models, k), o, options=options)
                 for k, o in self.opts.items()}
         return {"opts": opts, "scheds": {k: s.state_dict() for k, s in self.scheds.items()},
                 "shuffle": self.shuffle.get_state(), "bad_in_a_row": self.bad_in_a_row}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, sharded: bool = False) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        full = StateDictOptions(full_state_dict=True)
+        options = StateDictOptions(full_state_dict=not sharded)
         for k, o in self.opts.items():
             set_optimizer_state_dict(getattr(self.models, k), o, optim_state_dict=state["opts"][k],
-                                     options=full)
+                                     options=options)
             self.scheds[k].load_state_dict(state["scheds"][k])
         self.shuffle.set_state(state["shuffle"])
         self.bad_in_a_row = int(state["bad_in_a_row"])

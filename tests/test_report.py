@@ -164,3 +164,85 @@ def test_wandb_not_installed(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(UserError, match="pip install wandb"):
         MetricsWriter(tmp_path / "metrics.jsonl", 1, progress=False, wandb=True)
+
+
+# ---- a hostile metrics.jsonl: one error line, or the bad values left out with a warning line ----
+
+def line(row) -> bytes:
+    return json.dumps(row).encode() + b"\n"
+
+
+GOOD = line({"step": 1, "reward/score": 0.5, "kl/ref": 0.1})
+HOSTILE_ERRORS = {  # id: (metrics.jsonl bytes, fragment of the one error line)
+    "not UTF-8": (GOOD + b'{"step": 2, "reward/score": "\xff"}\n', "metrics.jsonl:2: not UTF-8"),
+    "deep nesting": (GOOD + b'{"step": 2, "x": ' + b"[" * 100000 + b"}\n",
+                     "metrics.jsonl:2: unreadable JSON: RecursionError"),
+    "5000-digit number": (GOOD + b'{"step": 2, "x": ' + b"9" * 5000 + b"}\n",
+                          "metrics.jsonl:2: unreadable JSON: ValueError"),
+    "step is a bool": (GOOD + line({"step": True}), "metrics.jsonl:2: expected a JSON object with an integer"),
+    "step too large": (GOOD + line({"step": 10 ** 400}), "metrics.jsonl:2: expected a JSON object"),
+    "a list, not an object": (GOOD + b"[1, 2]\n", "metrics.jsonl:2: expected a JSON object"),
+}
+
+
+@pytest.mark.parametrize("data, fragment", HOSTILE_ERRORS.values(), ids=HOSTILE_ERRORS.keys())
+def test_hostile_metrics_give_one_line(tmp_path, data, fragment):
+    (tmp_path / "metrics.jsonl").write_bytes(data)
+    assert fragment in cli_error(tmp_path)
+    assert not (tmp_path / "report").exists()
+
+
+TEX = ["reward/$\\frac{a}{b}$", "reward/$x^$", "reward/$x^2$", "reward/a$b", "reward/\\$"]
+HOSTILE_OK = {  # id: (rows, fragment of the one warning line or None, panels expected)
+    "huge numbers": ([{"step": 1, "reward/score": 1e308, "kl/ref": 10 ** 400, "reward/a": 1.0},
+                      {"step": 2, "reward/score": -1e308, "kl/ref": 0.1, "reward/a": 2.0}],
+                     "2 values beyond +-1e+300 left out (reward/score)", {"reward", "kl"}),
+    "1e400 and 1e308*10 are inf": ([b'{"step": 1, "reward/score": 1e400, "reward/a": 1}',
+                                    b'{"step": 2, "reward/score": -1e309, "reward/a": 2}'],
+                                   None, {"reward"}),
+    "non-numeric values": ([{"step": 1, "reward/score": "x", "reward/a": {"b": [1, {"c": 2}]},
+                             "kl/ref": [1.0], "response/length": True, "policy/entropy": None,
+                             "reward/b": 1.0}], None, {"reward"}),
+    "TeX metric names": ([{"step": s, "reward/score": 1.0, **{k: float(s) for k in TEX}}
+                          for s in (1, 2)], None, {"reward"}),
+}
+
+
+@pytest.mark.parametrize("rows, warning, panels", HOSTILE_OK.values(), ids=HOSTILE_OK.keys())
+def test_hostile_values_are_left_out(tmp_path, rows, warning, panels):
+    (tmp_path / "metrics.jsonl").write_bytes(b"".join(r + b"\n" if isinstance(r, bytes) else line(r)
+                                                     for r in rows))
+    result = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    warnings = [x for x in result.stderr.splitlines() if x]
+    assert all(x.startswith("warning: ") for x in warnings), result.stderr
+    assert (warning is None) == (not warnings) and all(warning in x for x in warnings), warnings
+    assert {Path(p).stem for p in result.stdout.splitlines() if p.endswith(".png")} == {"overview", *panels}
+
+
+def test_metric_names_are_never_mathtext(tmp_path, monkeypatch):
+    """A user's matplotlibrc asking for usetex is overridden; labels keep their dollar signs."""
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    from rlpipe.core.report import PANELS, _draw, load_metrics
+
+    monkeypatch.setitem(matplotlib.rcParams, "text.usetex", True)  # no LaTeX here: would fail
+    run = write_rows(tmp_path / "r$x^$", [{"step": s, "reward/score": 1.0, **{k: 1.0 for k in TEX}}
+                                          for s in (1, 2)])
+    assert {p.stem for p in write_report(run)} == {"overview", "reward"}
+    monkeypatch.setitem(matplotlib.rcParams, "text.usetex", False)
+    ax = Figure().subplots()
+    _draw(ax, load_metrics(run), PANELS[0])
+    texts = [t for t in ax.get_legend().get_texts() if "$" in t.get_text()]
+    assert len(texts) == len(TEX)
+    for text in texts:  # every dollar escaped: matplotlib renders it as a plain "$"
+        assert "$" not in text.get_text().replace("\\$", "") and not text._preprocess_math(
+            text.get_text())[1]
+
+
+def test_report_file_in_place_of_the_report_dir(tmp_path):
+    run = write_rows(tmp_path / "run", [{"step": 1, "reward/score": 0.0}])
+    (run / "report").write_text("mine")
+    assert "report exists and is not a directory" in cli_error(run)
+    assert (run / "report").read_text() == "mine"

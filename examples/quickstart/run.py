@@ -80,6 +80,8 @@ def main(argv=None) -> Path:
     print("== 2/3  PPO: SmolLM2-135M-Instruct learns to please the reward model")
     cfg = load_config(HERE / "config.yaml", [f"run.output_dir={out / 'ppo'}",
                                              f"rewards.0.path={rm_dir}", *args.overrides])
+    for extra in ("samples.txt", "rm_scores.json"):  # ours: --overwrite deletes only rlpipe's files
+        (out / "ppo" / extra).unlink(missing_ok=True)
     pipe = RecordingPipeline(cfg, overwrite=True, progress=progress)
     prompts = [PROMPT.format(o) for o in SAMPLE_OPENINGS]
     max_new = int(cfg.collector.args.get("max_new_tokens", 64))

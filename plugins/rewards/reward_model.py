@@ -9,7 +9,8 @@ tokenizer's ``truncation_side``.
 
 Config keys: ``path`` (a model folder, e.g. the output of ``rlpipe train-rm``), ``batch_size``
 (16 sequences per forward), ``max_length`` (512), ``dtype`` (``float32`` or ``bfloat16``),
-``offload`` (false; true: the model waits on CPU and moves to the run's device only to score)::
+``offload`` (false; true: the model waits on CPU and moves to the run's device only to score),
+``trust_remote_code`` (false: a folder that brings its own code, ``auto_map``, is refused)::
 
     rewards:
       - {name: reward_model, path: runs/reward_model, weight: 1.0}
@@ -26,6 +27,7 @@ from torch import nn
 
 from rlpipe.core.context import RunContext
 from rlpipe.core.errors import UserError
+from rlpipe.core.model_files import check_model_dir, check_weights, loading
 from rlpipe.core.models import load_tokenizer
 from rlpipe.core.rewards import batch_texts
 from rlpipe.core.schema import PROMPT_TEXT, RESPONSE_TEXT
@@ -33,9 +35,10 @@ from rlpipe.core.schema import PROMPT_TEXT, RESPONSE_TEXT
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def load_rm_tokenizer(path: Path):
+def load_rm_tokenizer(path: Path, trust_remote_code: bool = False,
+                      setting: str = "the reward_model argument trust_remote_code"):
     """The reward model's tokenizer, right-padded; with no pad token it pads with EOS (or UNK)."""
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, trust_remote_code, setting)
     if tokenizer.pad_token is None:
         fallback = tokenizer.eos_token or tokenizer.unk_token
         if fallback is None:
@@ -76,20 +79,24 @@ def score_texts(model, tokenizer, prompts: list[str], responses: list[str], batc
     return torch.cat(scores)
 
 
-def load_classifier(path: Path, dtype: torch.dtype = torch.float32):
-    """A frozen, eval-mode ``AutoModelForSequenceClassification`` with exactly one output."""
+def load_classifier(path: Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                    setting: str = "the reward_model argument trust_remote_code"):
+    """A frozen, eval-mode ``AutoModelForSequenceClassification`` with exactly one output; the
+    folder is checked first (`rlpipe.core.model_files`) and any load error is one line."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    if not (Path(path) / "config.json").is_file():
+    path = Path(path)
+    if not (path / "config.json").is_file():
         raise UserError(f"reward_model: {path}: not a Hugging Face model folder (no config.json)")
-    try:
-        labels = AutoConfig.from_pretrained(str(path)).num_labels
+    check_model_dir(path, trust_remote_code, setting)
+    check_weights(path)
+    remote = {"trust_remote_code": trust_remote_code}
+    with loading(path, "the reward model"):
+        labels = AutoConfig.from_pretrained(str(path), **remote).num_labels
         if labels != 1:
             raise UserError(f"reward_model: {path}: the classifier has num_labels={labels}; a reward "
                             f"model needs exactly one output (train one with `rlpipe train-rm`)")
-        model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"reward_model: {path}: cannot load the model: {exc}") from exc
+        model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype, **remote)
     return model.requires_grad_(False).eval()
 
 
@@ -105,7 +112,7 @@ class RewardModel(nn.Module):
 
     def __init__(self, path: Path, *, batch_size: int = 16, max_length: int = 512,
                  dtype: Literal["float32", "bfloat16"] = "float32", offload: bool = False,
-                 ctx: RunContext | None = None):
+                 trust_remote_code: bool = False, ctx: RunContext | None = None):
         super().__init__()
         if batch_size < 1 or max_length < 1:
             raise UserError(f"reward_model: batch_size and max_length must be >= 1, "
@@ -118,8 +125,8 @@ class RewardModel(nn.Module):
         self.batch_size, self.max_length = batch_size, max_length
         self.device = ctx.device if ctx is not None else torch.device("cpu")
         self.home = torch.device("cpu") if offload else self.device
-        model = load_classifier(path, _DTYPES[dtype])
-        self.tokenizer = load_rm_tokenizer(path)
+        model = load_classifier(path, _DTYPES[dtype], trust_remote_code)
+        self.tokenizer = load_rm_tokenizer(path, trust_remote_code)
         model.config.pad_token_id = self.tokenizer.pad_token_id
         object.__setattr__(self, "classifier", model.to(self.home))  # unregistered, see above
 

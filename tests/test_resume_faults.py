@@ -1,0 +1,324 @@
+"""Checkpoints and resume under faults (issue 13).
+
+A run is killed at chosen points (after a metric row, between the files of a checkpoint, while
+pruning, while saving ``final/``, before its first checkpoint), resumed with ``--resume``, and
+compared with an uninterrupted run: ``metrics.jsonl`` without ``time/`` and ``perf/`` keys, each
+step exactly once, and the final weights bit for bit. In-process kills raise `Killed`, a
+`BaseException` that no cleanup code catches; one kill is a real ``os._exit`` in a subprocess.
+Damaged checkpoints, a full disk, a finished run and changed settings are covered too.
+"""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from rlpipe.cli import main
+from rlpipe.core import checkpoint
+from rlpipe.core.config import load_config
+from rlpipe.core.metrics import MetricsWriter
+from rlpipe.core.pipeline import Pipeline
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
+FAST = ["run.steps=3", "data.batch_size=4", "collector.max_new_tokens=8", "train.epochs=1",
+        "log.progress=false"]
+
+
+class Killed(BaseException):
+    """Stands for a kill at this point: `except Exception` cleanup does not run."""
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Single-threaded torch, as in the subprocess (OMP_NUM_THREADS=1): identical numbers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def config(run_dir, *extra):
+    return load_config(TINY, [f"run.output_dir={run_dir}", *FAST, *extra])
+
+
+def train(run_dir, *extra, resume=False) -> Path:
+    return Pipeline(config(run_dir, *extra), progress=False, resume=resume).train()
+
+
+def rows(run_dir) -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}
+            for line in lines]
+
+
+def final_weights(run_dir) -> dict:
+    return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
+
+
+def assert_same_run(run_dir, reference) -> None:
+    got, want = rows(run_dir), rows(reference)
+    assert [r["step"] for r in got] == [1, 2, 3]  # each step exactly once
+    assert got == want
+    a, b = final_weights(run_dir), final_weights(reference)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def cli(*args) -> SimpleNamespace:
+    """``rlpipe ARGS`` in this process; the fields the conftest harness asserts on."""
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train(tmp_path_factory.mktemp("reference") / "run")
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- kill points: (checkpoint settings, hook installer) ----------------------------------------
+
+def after_row(step):
+    """The metric row of ``step`` is on disk, its checkpoint is not."""
+    def install(mp):
+        real = MetricsWriter.write
+
+        def write(self, metrics):
+            real(self, metrics)
+            if metrics["step"] == step:
+                raise Killed
+        mp.setattr(MetricsWriter, "write", write)
+    return install
+
+
+def mid_checkpoint(step):
+    """The first weights file of checkpoint ``step`` is written, the rest is not."""
+    def install(mp):
+        real = checkpoint.save_file
+
+        def save_file(tensors, path):
+            real(tensors, path)
+            if f"step-{step:06d}" in path:
+                raise Killed
+        mp.setattr(checkpoint, "save_file", save_file)
+    return install
+
+
+def pruning(delete_first: bool):
+    """While an old checkpoint is pruned: its marker is gone and (``delete_first``) it is renamed
+    and one of its files deleted."""
+    def install(mp):
+        real = shutil.rmtree
+
+        def rmtree(path, *args, **kwargs):
+            path = Path(path)
+            if path.name.startswith(".trash-step") and (path.exists() or not delete_first):
+                if delete_first:
+                    next(path.iterdir()).unlink()
+                raise Killed
+            return real(path, *args, **kwargs)
+        mp.setattr(checkpoint.shutil, "rmtree", rmtree)
+    return install
+
+
+def in_final(mp):
+    """``final/`` is half written."""
+    def export(self, final):
+        final.mkdir()
+        (final / "model.safetensors").write_bytes(b"partial")
+        raise Killed
+    mp.setattr(Pipeline, "_export", export)
+
+
+KILLS = {
+    "after-row-2": (["checkpoint.every=1"], after_row(2)),
+    "before-first-checkpoint": (["checkpoint.every=2"], after_row(1)),
+    "mid-checkpoint-2": (["checkpoint.every=1"], mid_checkpoint(2)),
+    "pruning-marker-removed": (["checkpoint.every=1", "checkpoint.keep=1"], pruning(False)),
+    "pruning-files-deleted": (["checkpoint.every=1", "checkpoint.keep=1"], pruning(True)),
+    "in-final": (["checkpoint.every=1"], in_final),
+}
+
+
+@pytest.mark.parametrize("point", KILLS)
+def test_killed_run_resumes_to_the_uninterrupted_result(point, tmp_path, reference):
+    extra, install = KILLS[point]
+    run_dir = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        install(mp)
+        with pytest.raises(Killed):
+            train(run_dir, *extra)
+    for path in checkpoint.complete(run_dir):  # what looks complete is intact
+        assert checkpoint.verify(path) is None, path
+    train(run_dir, *extra, resume=True)
+    assert_same_run(run_dir, reference)
+    assert not list((run_dir / "checkpoints").glob(".t*"))  # leftovers are cleaned up
+
+
+KILL_SCRIPT = """
+import os, sys
+from rlpipe.core import checkpoint
+from rlpipe.core.config import load_config
+from rlpipe.core.pipeline import Pipeline
+real = checkpoint.save_file
+def save_file(tensors, path):
+    real(tensors, path)
+    if "step-000002" in path:
+        os._exit(137)  # a real kill: nothing else runs
+checkpoint.save_file = save_file
+Pipeline(load_config(sys.argv[1], sys.argv[2:]), progress=False).train()
+"""
+
+
+def test_a_real_kill_between_checkpoint_files_resumes_exactly(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    args = [f"run.output_dir={run_dir}", *FAST, "checkpoint.every=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(TINY), *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 137, done.stderr[-2000:]
+    assert [p.name for p in checkpoint.complete(run_dir)] == ["step-000001"]
+    result = cli("run", TINY, *args, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert_same_run(run_dir, reference)
+
+
+# ---- damaged checkpoints -----------------------------------------------------------------------
+
+def flip_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+DAMAGE = {  # what happens to checkpoint step-000002, and the reason the warning gives
+    "flipped-byte": (lambda d: flip_byte(d / "actor.safetensors"), "sha256"),
+    "truncated": (lambda d: (d / "state.pt").write_bytes(b"x"), "bytes"),
+    "file-deleted": (lambda d: (d / "critic.safetensors").unlink(), "missing"),
+    "no-manifest": (lambda d: (d / "manifest.json").unlink(), "manifest"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_newest_checkpoint_falls_back_to_an_intact_one(damage, tmp_path, reference, capsys):
+    spoil, reason = DAMAGE[damage]
+    run_dir = tmp_path / "run"
+    train(run_dir, "checkpoint.every=1", "run.steps=2")
+    spoil(run_dir / "checkpoints" / "step-000002")
+    capsys.readouterr()
+    train(run_dir, "checkpoint.every=1", resume=True)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "checkpoint" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning:"), warnings
+    assert "step-000002" in warnings[0] and reason in warnings[0]
+    assert "resuming from step-000001" in warnings[0]
+    assert_same_run(run_dir, reference)
+
+
+def test_no_intact_checkpoint_is_one_line_and_changes_nothing(tmp_path, harness):
+    run_dir = tmp_path / "run"
+    train(run_dir, "checkpoint.every=1", "run.steps=2")
+    for path in checkpoint.complete(run_dir):
+        flip_byte(path / "state.pt")
+    before = harness.snapshot(tmp_path)
+    result = cli("run", TINY, f"run.output_dir={run_dir}", *FAST, "--resume")
+    harness.error(result, "no intact checkpoint", "step-000002", "step-000001")
+    assert harness.snapshot(tmp_path) == before
+
+
+# ---- a full disk --------------------------------------------------------------------------------
+
+def enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("writer", ["save_file", "torch.save"])
+def test_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(writer, tmp_path,
+                                                                          reference, harness):
+    run_dir = tmp_path / "run"
+    args = ["run", TINY, f"run.output_dir={run_dir}", *FAST, "checkpoint.every=1"]
+    with pytest.MonkeyPatch.context() as mp:
+        real = checkpoint.save_file
+        if writer == "save_file":
+            mp.setattr(checkpoint, "save_file",
+                       lambda t, p: enospc() if "step-000002" in p else real(t, p))
+        else:
+            real_save = torch.save
+            mp.setattr(checkpoint.torch, "save", lambda obj, f, *a, **k: enospc()
+                       if "step-000002" in str(f) else real_save(obj, f, *a, **k))
+        result = cli(*args)
+    harness.error(result, "cannot write checkpoint", "No space left", "step-000001 is intact")
+    assert [p.name for p in checkpoint.complete(run_dir)] == ["step-000001"]
+    assert checkpoint.verify(run_dir / "checkpoints" / "step-000001") is None
+    assert not list((run_dir / "checkpoints").glob(".t*"))
+    assert cli(*args, "--resume").returncode == 0
+    assert_same_run(run_dir, reference)
+
+
+# ---- a finished run, changed settings -----------------------------------------------------------
+
+def test_resume_of_a_finished_run_says_so_and_trains_nothing(tmp_path, reference, harness):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    before = harness.snapshot(run_dir)
+    result = cli("run", TINY, f"run.output_dir={run_dir}", *FAST, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (f"run {run_dir} is already finished at step 3; "
+                                     f"raise run.steps to continue")
+    assert "error" not in result.stderr
+    assert harness.snapshot(run_dir) == before
+
+
+def test_changed_settings_are_applied_and_listed_on_one_line(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(run_dir, "checkpoint.every=1", "run.steps=2")
+    capsys.readouterr()
+    pipe = Pipeline(config(run_dir, "checkpoint.every=1", "train.lr=0.0005", "kl.coef=0.2"),
+                    progress=False, resume=True)
+    pipe.train()
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert len(err) == 1 and "train.lr 0.001 -> 0.0005" in err[0]
+    assert "kl.coef 0.05 -> 0.2" in err[0]
+    assert "run.steps" not in err[0]  # raising run.steps is what resume is for
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 3 and last["train/lr"] == 0.0005 and last["kl/coef"] == 0.2
+    assert all(g["lr"] == 0.0005 for g in pipe.updater.opts["actor"].param_groups)
+    assert "lr: 0.0005" in (run_dir / "config.yaml").read_text()  # the next resume compares to it
+
+
+REFUSED = {
+    "run.seed": ["run.seed=1"],
+    "data.prompts": [f"data.prompts={Path(__file__)}"],
+    "models.actor.lora": ["models.actor.lora={r: 4}"],
+    "rewards.1.name": ["rewards=[{name: length}]"],
+}
+
+
+@pytest.mark.parametrize("key", REFUSED)
+def test_changes_a_checkpoint_cannot_follow_are_refused(key, tmp_path, harness):
+    run_dir = tmp_path / "run"
+    train(run_dir, "checkpoint.every=1", "run.steps=1")
+    before = harness.snapshot(tmp_path)
+    result = cli("run", TINY, f"run.output_dir={run_dir}", *FAST, *REFUSED[key], "--resume")
+    harness.error(result, "cannot resume", key)
+    assert harness.snapshot(tmp_path) == before
+
+
+def test_checkpoint_beyond_run_steps_is_one_line(tmp_path, harness):
+    run_dir = tmp_path / "run"
+    train(run_dir, "checkpoint.every=1", "run.steps=2")
+    shutil.rmtree(run_dir / "final")
+    result = cli("run", TINY, f"run.output_dir={run_dir}", *FAST, "run.steps=1", "--resume")
+    harness.error(result, "run.steps=1", "already at step 2")
