@@ -32,14 +32,17 @@ from rlpipe.core.errors import UserError
 
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
+SHARDS = "dcp"                 # a distributed checkpoint's torch.distributed.checkpoint folder
 
 
-def trainable_state(module: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The entries of ``full`` (the module's full state dict) that training changes: LoRA adapters
-    only when the base is frozen; contiguous CPU tensors, as safetensors wants."""
+def trainable_state(module: torch.nn.Module, full: dict[str, torch.Tensor],
+                    to_cpu: bool = True) -> dict[str, torch.Tensor]:
+    """The entries of ``full`` (the module's state dict) that training changes: LoRA adapters
+    only when the base is frozen; contiguous CPU tensors, as safetensors wants (``to_cpu``), or
+    the tensors themselves (for torch.distributed.checkpoint, which loads into them in place)."""
     names = {n for n, p in module.named_parameters() if p.requires_grad}
     keep = {k: v for k, v in full.items() if k in names} if names else full
-    return {k: v.detach().to("cpu").contiguous() for k, v in keep.items()}
+    return {k: v.detach().to("cpu").contiguous() for k, v in keep.items()} if to_cpu else keep
 
 
 def _digest(path: Path) -> dict:
@@ -57,7 +60,12 @@ def _write(tmp: Path, step: int, weights: dict, state: dict) -> None:
     for name, tensors in weights.items():
         save_file(tensors, str(tmp / f"{name}.safetensors"))
     torch.save(state, tmp / "state.pt")
-    files = {p.name: _digest(p) for p in sorted(tmp.iterdir())}
+    _seal(tmp, step)
+
+
+def _seal(tmp: Path, step: int) -> None:
+    """Manifest (size and sha256 of every file, sub-folders included), then the marker."""
+    files = {str(p.relative_to(tmp)): _digest(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
     (tmp / MARKER).write_text(str(step))
 
@@ -81,25 +89,73 @@ def io_failure(exc: BaseException) -> bool:
 
 def save(run_dir: Path, step: int, weights: dict, state: dict, keep: int) -> Path:
     """Write ``weights`` (name -> state dict) and ``state`` atomically; keep the newest ``keep``."""
-    root = Path(run_dir) / "checkpoints"
-    final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}"
-    if root.is_dir():  # a kill's leftovers: .tmp-/.trash- folders, a pruned one without marker
-        for stale in [*root.glob(".t*-step-*"),
-                      *(p for p in root.glob("step-*") if not (p / MARKER).is_file())]:
-            shutil.rmtree(stale, ignore_errors=True)
+    root, tmp, final = _paths(run_dir, step)
+    _clear_leftovers(root)
     try:
         _write(tmp, step, weights, state)
     except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not io_failure(exc):
-            raise
-        newest = latest(run_dir)
-        kept = f"; {newest.name} is intact" if newest is not None else ""
-        free = shutil.disk_usage(root).free / 2**20 if root.is_dir() else float("nan")
-        reason = " ".join(str(exc).split())
-        raise UserError(f"cannot write checkpoint {final} ({reason}; {free:.0f} MiB free){kept}: "
-                        f"free some space and continue with --resume") from exc
+        raise _write_error(exc, run_dir, tmp, final) from exc
+    return _publish(run_dir, tmp, final, keep)
+
+
+def save_sharded(run_dir: Path, step: int, shards: dict, state: dict, keep: int, dist) -> Path:
+    """A distributed checkpoint: every rank writes its own shard of ``shards`` (model and
+    optimizer states as DTensors) to ``dcp/`` with torch.distributed.checkpoint, so no rank ever
+    holds the full state; rank 0 writes ``state`` (``state.pt``), the manifest and the marker.
+    DCP reshards on load, so another world size can resume it. Call it on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    root, tmp, final = _paths(run_dir, step)
+    if dist.is_main:
+        _clear_leftovers(root)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    failure = None
+    try:
+        dcp.save(shards, checkpoint_id=str(tmp / SHARDS))
+        dist.barrier()
+        if dist.is_main:
+            torch.save(state, tmp / "state.pt")
+            _seal(tmp, step)
+    except Exception as exc:  # noqa: BLE001 - reported below, on rank 0
+        failure = exc
+    if dist.is_main:
+        if failure is not None:
+            raise _write_error(failure, run_dir, tmp, final) from failure
+        _publish(run_dir, tmp, final, keep)
+    elif failure is not None and not io_failure(failure):
+        raise failure
+    dist.barrier()
+    return final
+
+
+def _paths(run_dir: Path, step: int) -> tuple[Path, Path, Path]:
+    root = Path(run_dir) / "checkpoints"
+    return root, root / f".tmp-step-{step:06d}", root / f"step-{step:06d}"
+
+
+def _clear_leftovers(root: Path) -> None:
+    """A kill's leftovers: .tmp-/.trash- folders, a pruned one without marker."""
+    if root.is_dir():
+        for stale in [*root.glob(".t*-step-*"),
+                      *(p for p in root.glob("step-*") if not (p / MARKER).is_file())]:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _write_error(exc: BaseException, run_dir: Path, tmp: Path, final: Path) -> BaseException:
+    """Remove the half-written folder; a full disk (any I/O failure) becomes one line."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not io_failure(exc):
+        return exc
+    newest, root = latest(run_dir), tmp.parent
+    kept = f"; {newest.name} is intact" if newest is not None else ""
+    free = shutil.disk_usage(root).free / 2**20 if root.is_dir() else float("nan")
+    reason = " ".join(str(exc).split())[:300]
+    return UserError(f"cannot write checkpoint {final} ({reason}; {free:.0f} MiB free){kept}: "
+                     f"free some space and continue with --resume")
+
+
+def _publish(run_dir: Path, tmp: Path, final: Path, keep: int) -> Path:
     _discard(final)  # a damaged checkpoint of the same step, from before a fallback
     tmp.rename(final)
     for old in complete(run_dir)[:-keep] if keep > 0 else []:
@@ -151,6 +207,24 @@ def choose(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
             return path, skipped
         skipped.append((path, problem))
     return None, skipped
+
+
+def is_sharded(path: Path) -> bool:
+    return (Path(path) / SHARDS).is_dir()
+
+
+def load_sharded(path: Path, shards: dict) -> dict:
+    """Fill ``shards`` (the same layout `save_sharded` was given, this run's tensors: plain or
+    DTensors of any world size) from ``path`` in place, then return the saved state."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(shards, checkpoint_id=str(Path(path) / SHARDS))
+    except Exception as exc:  # noqa: BLE001 - DCP names missing or mismatched keys in its text
+        reason = " ".join(str(exc).split())[:300]
+        raise UserError(f"checkpoint {path} does not match this run ({reason}); was it written "
+                        f"with another model or LoRA config?") from exc
+    return torch.load(Path(path) / "state.pt", weights_only=True)
 
 
 def load(path: Path, modules: dict) -> dict:

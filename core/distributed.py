@@ -248,3 +248,17 @@ def load_full_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def sharded_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict as it lies: each rank's DTensor shards under FSDP (no gather)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module)
+
+
+def load_sharded_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a `sharded_state` (possibly a subset: LoRA adapters) back into ``module``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, state, options=StateDictOptions(strict=False))

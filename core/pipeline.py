@@ -159,38 +159,69 @@ class Pipeline:
         m = self.models
         return {"actor": m.actor, **({"critic": m.critic} if m.critic is not None else {})}
 
-    def state_dict(self) -> dict:
-        """Everything but the weights: step, optimizers, schedulers, RNGs (one per rank), KL,
-        reward statistics, data position. A collective under FSDP: call it on every rank."""
+    def state_dict(self, sharded: bool = False) -> dict:
+        """Everything but the weights: step, optimizers (``sharded``: each rank's DTensor shards),
+        schedulers, RNGs (one per rank), KL, reward statistics, data position. A collective under
+        FSDP: call it on every rank."""
         import random
 
         p = self.prompts
         rngs = self.dist.gather_object({"torch": torch.get_rng_state(), "python": random.getstate()})
-        return {"step": self.step_count, "updater": self.updater.state_dict(),
+        return {"step": self.step_count, "updater": self.updater.state_dict(sharded),
                 "kl": self.kl_ctl.state_dict(), "rewards": self.plugins.rewards.state_dict(),
                 "data": {"generator": p.generator.get_state(), "order": list(p.order),
                          "position": p.position},
                 "rng": rngs}
 
     def load_state_dict(self, state: dict) -> None:
+        """The inverse of `state_dict`; ``state["sharded"]`` marks sharded optimizer states."""
         import random
 
         self.step_count = int(state["step"])
-        self.updater.load_state_dict(state["updater"])
+        self.updater.load_state_dict(state["updater"], bool(state.get("sharded", False)))
         self.kl_ctl.load_state_dict(state["kl"])
         self.plugins.rewards.load_state_dict(state["rewards"])
         data = state["data"]
         self.prompts.generator.set_state(data["generator"])
         self.prompts.order, self.prompts.position = list(data["order"]), int(data["position"])
-        if len(state["rng"]) != self.dist.world:
-            raise UserError(f"checkpoint written by {len(state['rng'])} processes; resume it with "
-                            f"distributed.nproc={len(state['rng'])}")
-        rng = state["rng"][self.dist.rank]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
+        if len(state["rng"]) == self.dist.world:
+            rng = state["rng"][self.dist.rank]
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+        else:  # weights and optimizer reshard; only the per-rank sampling streams cannot
+            build.seed_everything(self.cfg.run.seed + 1000 * self.step_count + self.dist.rank)
+            if self.dist.is_main:
+                print(f"warning: checkpoint written by {len(state['rng'])} process(es), resumed on "
+                      f"{self.dist.world}: weights and optimizer resharded, sampling streams "
+                      f"reseeded (not bit-identical to an uninterrupted run)", file=sys.stderr)
+
+    def _shards(self, state: dict) -> dict:
+        """What a distributed checkpoint shards: trainable weights and optimizer states, taken
+        out of ``state`` (a ``state_dict(sharded=True)``)."""
+        models = {name: checkpoint.trainable_state(m, distributed.sharded_state(m), to_cpu=False)
+                  for name, m in self._modules().items()}
+        return {"models": models, "optimizers": state["updater"].pop("opts")}
+
+    def _load_checkpoint(self, path: Path) -> dict:
+        """Weights into the models and the saved state; a distributed checkpoint is read into this
+        run's own (sharded or plain) tensors, resharded by DCP to the present world size."""
+        if not checkpoint.is_sharded(path):
+            return checkpoint.load(path, self._modules())
+        shards = self._shards(self.state_dict(sharded=True))  # this run's tensors, filled in place
+        state = checkpoint.load_sharded(path, shards)
+        for name, module in self._modules().items():
+            distributed.load_sharded_state(module, shards["models"][name])
+        state["updater"]["opts"], state["sharded"] = shards["optimizers"], True
+        return state
 
     def save_checkpoint(self) -> None:
-        """Gather full weights and states (all ranks), write them atomically (rank 0)."""
+        """One process: full weights and states, written atomically. Distributed: every rank
+        writes its own shard (torch.distributed.checkpoint); nothing is gathered."""
+        if self.dist.enabled:
+            state = self.state_dict(sharded=True)
+            checkpoint.save_sharded(self.run_dir, self.step_count, self._shards(state), state,
+                                    self.cfg.checkpoint.keep, self.dist)
+            return
         weights = {name: checkpoint.trainable_state(module, distributed.full_state(module))
                    for name, module in self._modules().items()}
         state = self.state_dict()
@@ -212,7 +243,7 @@ class Pipeline:
             print(f"warning: skipping damaged checkpoint(s) ({damaged}); resuming from {path.name}",
                   file=sys.stderr)
         if path is not None:
-            state = checkpoint.load(path, self._modules())
+            state = self._load_checkpoint(path)
             if int(state["step"]) > self.cfg.run.steps:
                 raise UserError(f"run.steps={self.cfg.run.steps}: {path} is already at step "
                                 f"{state['step']}; raise run.steps to continue it")

@@ -141,11 +141,22 @@ def test_more_processes_than_prompts_is_refused_before_launch(tmp_path, harness)
     assert not (tmp_path / "r").exists()
 
 
-def test_resume_at_another_world_size_is_one_line(tmp_path, harness):
+def test_a_two_process_checkpoint_resumes_on_one_process(tmp_path):
+    """Distributed checkpoints are sharded (torch.distributed.checkpoint, one file per rank) and
+    reshard on load: a 2-process run continues on 1 process, saying that its sampling streams
+    were reseeded."""
     out = tmp_path / "r"
     run(out, "distributed.nproc=2", "checkpoint.every=1", "run.steps=1")
-    result = harness.run(["run", CONFIG, f"run.output_dir={out}", *SMALL, "run.steps=2", "--resume"])
-    harness.error(result, "distributed.nproc=2")
+    step1 = out / "checkpoints" / "step-000001"
+    assert sorted(p.name for p in (step1 / "dcp").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                  "__1_0.distcp"]
+    assert not (step1 / "actor.safetensors").exists()  # nothing gathered on rank 0
+    result = run(out, "run.steps=2", "checkpoint.every=1", "--resume")
+    assert "resumed on 1" in result.stderr and "Traceback" not in result.stderr
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(isinstance(v, (int, float)) and v == v for r in rows for v in r.values())
+    assert (out / "checkpoints" / "step-000002" / "actor.safetensors").is_file()  # 1 process
 
 
 def test_a_rank_that_dies_ends_the_run_with_its_error(tmp_path, harness):
