@@ -128,6 +128,27 @@ def apply_lora(model: torch.nn.Module, lora, task_type: str | None):
         raise UserError(f"lora: {exc}") from exc
 
 
+def merged_lora_copy(actor_cfg, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain model on CPU holding ``state`` (a LoRA actor's full state dict, gathered from its
+    shards) with the adapters merged: what ``final/`` exports when the training model is sharded
+    and cannot be copied and merged in place."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlpipe.core.models import _DTYPES
+
+    config = AutoConfig.from_pretrained(str(actor_cfg.path),
+                                        trust_remote_code=actor_cfg.trust_remote_code)
+    base = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[actor_cfg.dtype],
+                                            trust_remote_code=actor_cfg.trust_remote_code)
+    model = apply_lora(base, actor_cfg.lora, "CAUSAL_LM")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {n for n in missing if n.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"merging the gathered LoRA state: missing {sorted(missing)[:3]}, "
+                           f"unexpected {sorted(unexpected)[:3]}")
+    return model.merge_and_unload().eval()
+
+
 def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models:
     """Actor (LoRA optional), reference (a frozen copy of the initial actor, or the LoRA actor with
     adapters disabled), and a critic when the advantage estimator needs one."""

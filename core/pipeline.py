@@ -296,10 +296,13 @@ class Pipeline:
         import copy
 
         actor = self.models.actor
-        if self.dist.enabled:  # gather the shards; a sharded LoRA model exports its adapter
+        if self.dist.enabled:  # gather the shards once, on rank 0
             state = distributed.full_state(actor)
             if self.dist.is_main:
-                actor.save_pretrained(final, state_dict=state)
+                if hasattr(actor, "merge_and_unload") and self.cfg.export.merge_lora:
+                    build.merged_lora_copy(self.cfg.models.actor, state).save_pretrained(final)
+                else:
+                    actor.save_pretrained(final, state_dict=state)
                 self.models.tokenizer.save_pretrained(final)
             return
         if hasattr(actor, "merge_and_unload") and self.cfg.export.merge_lora:

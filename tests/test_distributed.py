@@ -98,6 +98,17 @@ def test_checkpointed_blocks_give_the_same_update(greedy_two, tmp_path):
     assert_same_update(greedy_two, two)
 
 
+def test_lora_one_and_two_processes_give_the_same_merged_policy(tmp_path):
+    """A LoRA actor (reference = adapters disabled) under FSDP2: the same update as one process,
+    and ``final/`` merges the gathered adapters into a plain model, as one process does."""
+    lora = ["models.actor.lora.r=4", "models.actor.lora.alpha=8"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(one, *GREEDY, *lora)
+    run(two, *GREEDY, *lora, "distributed.nproc=2")
+    assert not (two / "final" / "adapter_config.json").exists()
+    assert_same_update(one, two)
+
+
 def test_two_nodes_on_one_machine_equal_one_node_of_two(greedy_two, tmp_path):
     """``distributed.nnodes=2``: each launcher is one "node" of one process (loopback only)."""
     out, port = tmp_path / "nodes", free_port()

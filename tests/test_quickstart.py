@@ -88,4 +88,4 @@ def test_quickstart_config_on_two_processes(quickstart_run, harness):
     for r in rows:
         assert all(math.isfinite(r[k]) for k in ("reward/reward_model", "kl/ref", "loss/total"))
         assert 0 < r["response/length"] <= 8
-    assert (run_dir / "final" / "adapter_config.json").is_file()  # sharded LoRA: the adapter
+    assert (run_dir / "final" / "config.json").is_file()  # LoRA merged into a plain model
