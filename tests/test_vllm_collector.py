@@ -375,3 +375,25 @@ def test_pipeline_logs_a_small_logprob_gap_with_the_vllm_collector(tmp_path, tok
     run_dir = train(cfg, progress=False)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["collector/logprob_gap"] < 1e-4 for m in metrics] == [True, True]
+
+
+def test_two_processes_each_with_its_engine_follow_the_sharded_actor(tmp_path, tokenizer, harness):
+    """``distributed.nproc=2`` through the CLI: each rank starts its own engine, generates its
+    share of the prompts, and after the FSDP2 update gathers the actor's shards into its engine;
+    the engine's log-probs then equal the trainer's on both steps."""
+    need_vllm()
+    model_dir = tmp_path / "model"
+    make_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    run_dir = tmp_path / "run"
+    result = harness.run(["run", TINY_CONFIG, f"run.output_dir={run_dir}", "run.steps=2",
+                          f"models.actor.path={model_dir}", "models.actor.init=pretrained",
+                          f"data.prompts={prompts}", "data.batch_size=4", "collector.name=vllm",
+                          "collector.max_new_tokens=8", "collector.kv_cache_gb=0.25",
+                          "distributed.nproc=2", "--no-progress"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["collector/logprob_gap"] < 1e-4 for m in metrics] == [True, True]
+    assert metrics[1]["kl/ref"] != 0.0  # the actor moved, and the engine followed it
