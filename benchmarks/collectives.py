@@ -173,7 +173,8 @@ def worker(rank: int, world: int, port: int, reps: int, out: str) -> None:
     if d.is_main:
         write_json(out, {"date": now(), "machine": machine(), "world": world,
                          "load_avg": os.getloadavg(), "gather": gather, "checkpoint": ckpt})
-        for name, row in {**gather, **ckpt}.items():
+        for name, row in [*((f"gather/{k}", v) for k, v in gather.items()),
+                          *((f"checkpoint/{k}", v) for k, v in ckpt.items())]:
             print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
         shutil.rmtree(folder, ignore_errors=True)
     dist.barrier()

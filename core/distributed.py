@@ -66,34 +66,35 @@ class Dist:
         """Concatenate every rank's rollout in rank order (prompts re-left-padded, responses
         re-right-padded to the longest, group ids offset to stay unique).
 
-        Tensor collectives: each tensor is padded to the largest batch and width of any rank and
-        all-gathered as it lies (on the GPU under NCCL), then trimmed; only the texts travel as
-        pickled objects. `all_gather_object` of whole TensorDicts, as before, pickled every tensor
-        through host memory (see BENCHMARKS.md, "Collectives")."""
+        Tensor collectives: each tensor is padded to the largest batch and width of any rank,
+        the tensors of one dtype travel as one flat buffer (on the GPU under NCCL), and the texts
+        as one pickled object: five collectives in all. The previous `all_gather_object` of
+        whole TensorDicts pickled every tensor through host memory (BENCHMARKS.md, "Collectives")."""
         if not self.enabled:
             return td
-        device = _collective_device()
         r = td[S.RESPONSE_IDS].shape[1]
-        shape = torch.tensor([td.batch_size[0], td[S.PROMPT_IDS].shape[1], r], device=device)
-        shapes = _all_gather(shape, self.world).tolist()
-        rows = [s[0] for s in shapes]
-        width_p, width_r = max(s[1] for s in shapes), max(s[2] for s in shapes)
-        out = TensorDict({}, batch_size=[sum(rows)], device=td.device)
-        for key in sorted(td.keys(include_nested=True, leaves_only=True), key=str):
+        shape = torch.tensor([td.batch_size[0], td[S.PROMPT_IDS].shape[1], r],
+                             device=_collective_device())
+        rows, width_p, width_r = _all_gather(shape, self.world).T.tolist()
+        width_p, width_r = max(width_p), max(width_r)
+        tensors, texts = {}, {}
+        for key in td.keys(include_nested=True, leaves_only=True):
             value = td.get(key)
             if isinstance(value, torch.Tensor):
-                value = _pad(value, key, width_p, width_r, r)
-                value = _pad_rows(value, max(rows)).to(device)
-                parts = _all_gather(value, self.world)
-                out.set(key, torch.cat([p[:n] for p, n in zip(parts, rows)]).to(td.device))
-            else:  # texts: a list per rank
-                parts = self.gather_object(list(value.tolist()))
-                out.set(key, NonTensorStack(*(x for part in parts for x in part)))
-        ids, starts = out[S.GROUP_ID], [sum(rows[:i]) for i in range(self.world)]
-        offset = 0
-        for start, n in zip(starts, rows):  # rank k's groups follow rank k-1's
+                tensors[key] = _pad_rows(_pad(value, key, width_p, width_r, r), max(rows))
+            else:
+                texts[key] = list(value.tolist())
+        out = TensorDict({}, batch_size=[sum(rows)], device=td.device)
+        for key, parts in _all_gather_packed(tensors, self.world).items():
+            out.set(key, torch.cat([p[:n] for p, n in zip(parts, rows)]).to(td.device))
+        text_parts = self.gather_object(texts)
+        for key in texts:
+            out.set(key, NonTensorStack(*(x for part in text_parts for x in part[key])))
+        ids, start, offset = out[S.GROUP_ID], 0, 0
+        for n in rows:  # rank k's groups follow rank k-1's
             ids[start:start + n] += offset
             offset = int(ids[start:start + n].max()) + 1 if n else offset
+            start += n
         return out
 
     def barrier(self) -> None:
@@ -124,6 +125,23 @@ def _pad(value: torch.Tensor, key, width_p: int, width_r: int, r: int) -> torch.
 def _pad_rows(value: torch.Tensor, rows: int) -> torch.Tensor:
     extra = value.new_zeros((rows - value.shape[0], *value.shape[1:]))
     return torch.cat([value, extra])
+
+
+def _all_gather_packed(tensors: dict, world: int) -> dict:
+    """``{key: [world, *shape]}`` for tensors of the same shapes on every rank: one all-gather
+    per dtype, of the tensors flattened into one buffer."""
+    by_dtype: dict = {}
+    for key, value in tensors.items():
+        by_dtype.setdefault(value.dtype, []).append(key)
+    out = {}
+    for keys in by_dtype.values():
+        flat = torch.cat([tensors[k].reshape(-1) for k in keys]).to(_collective_device())
+        parts, offset = _all_gather(flat, world), 0
+        for key in keys:
+            n = tensors[key].numel()
+            out[key] = parts[:, offset:offset + n].reshape(world, *tensors[key].shape)
+            offset += n
+    return out
 
 
 def _all_gather(value: torch.Tensor, world: int) -> torch.Tensor:
