@@ -358,15 +358,20 @@ def test_bad_prompts_and_sleep_mode_on_cpu(collector, tokenizer, base_model):
             VLLMCollector(RunContext(tokenizer=tokenizer, actor=base_model), enable_sleep_mode=True)
 
 
+def write_assets(folder, tokenizer):
+    """A saved `make_model` folder (head dim 32, as vLLM's CPU attention needs) and a prompt file."""
+    model_dir, prompts = folder / "model", folder / "prompts.txt"
+    make_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    return model_dir, prompts
+
+
 def test_pipeline_logs_a_small_logprob_gap_with_the_vllm_collector(tmp_path, tokenizer):
     """Two PPO steps of the tiny example config on the vLLM collector (its own engine): the
     actor changes between the steps and the engine follows it."""
     need_vllm()
-    model_dir = tmp_path / "model"
-    make_model(tokenizer).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
+    model_dir, prompts = write_assets(tmp_path, tokenizer)
     cfg = load_config(TINY_CONFIG, [f"run.output_dir={tmp_path / 'run'}", "run.steps=2",
                                f"models.actor.path={model_dir}", "models.actor.init=pretrained",
                                f"data.prompts={prompts}", "data.batch_size=4",
@@ -382,11 +387,7 @@ def test_two_processes_each_with_its_engine_follow_the_sharded_actor(tmp_path, t
     share of the prompts, and after the FSDP2 update gathers the actor's shards into its engine;
     the engine's log-probs then equal the trainer's on both steps."""
     need_vllm()
-    model_dir = tmp_path / "model"
-    make_model(tokenizer).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
+    model_dir, prompts = write_assets(tmp_path, tokenizer)
     run_dir = tmp_path / "run"
     result = harness.run(["run", TINY_CONFIG, f"run.output_dir={run_dir}", "run.steps=2",
                           f"models.actor.path={model_dir}", "models.actor.init=pretrained",
