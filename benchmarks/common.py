@@ -41,16 +41,31 @@ SIZES = {
 LENGTH_REWARD = {"min_tokens": 4, "max_tokens": 48, "per_token": 0.05, "truncated_penalty": 1.0}
 
 
-def make_assets(folder: Path, size: str) -> Path:
-    """Write ``folder/model`` (config.json + tokenizer) and ``folder/prompts.txt``."""
+# Public architectures (config.json of the real checkpoints, random weights): the GPU benchmarks.
+PUBLIC = {name: Path(__file__).resolve().parent / "gpu" / "configs" / f"{name}.json"
+          for name in ("qwen2.5-0.5b", "qwen2.5-1.5b")}
+
+
+def model_config(size: str, tokenizer):
+    """The transformers config of ``size`` (a `SIZES` Llama or a `PUBLIC` architecture)."""
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    if size in PUBLIC:
+        raw = {k: v for k, v in json.loads(PUBLIC[size].read_text()).items()
+               if not k.startswith("_")}
+        return transformers.AutoConfig.for_model(**{**raw, **ids})
     hidden, layers, heads, inter, vocab = SIZES[size]
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(TINY / "model"))
-    tokenizer.add_tokens([f"<x{i}>" for i in range(vocab - len(tokenizer))])
-    config = transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+        tie_word_embeddings=False, **ids)
+
+
+def make_assets(folder: Path, size: str) -> Path:
+    """Write ``folder/model`` (config.json + tokenizer) and ``folder/prompts.txt``."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(TINY / "model"))
+    config = model_config(size, tokenizer)
+    tokenizer.add_tokens([f"<x{i}>" for i in range(config.vocab_size - len(tokenizer))])
     model_dir = folder / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(model_dir)
@@ -59,9 +74,23 @@ def make_assets(folder: Path, size: str) -> Path:
     return folder
 
 
+def make_reward_model(folder: Path, size: str, dtype: str = "float32") -> Path:
+    """``folder/rm``: a sequence-classification model (one output) of ``size``'s architecture,
+    random weights, and the tokenizer of ``folder/model`` (call `make_assets` first)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder / "model"))
+    config = model_config(size, tokenizer)
+    config.num_labels = 1
+    model = transformers.AutoModelForSequenceClassification.from_config(
+        config, dtype=getattr(torch, dtype))
+    model.save_pretrained(folder / "rm")
+    tokenizer.save_pretrained(folder / "rm")
+    return folder / "rm"
+
+
 def make_config(folder: Path, *, batch: int, new_tokens: int, device: str = "cpu",
                 dtype: str = "float32", lora: bool = False, critic: dict | None = None,
-                actor: dict | None = None, epochs: int = 4, minibatches: int = 2):
+                actor: dict | None = None, epochs: int = 4, minibatches: int = 2,
+                reference: dict | None = None, reward_model: dict | None = None):
     """The rlpipe config of the benchmarks: ``init: random``, one length reward, GAE, PPO,
     temperature-1 sampling over the full vocabulary, no shuffling (every step sees the same
     prompts in the same order as the plain loop). ``lora``: ``models.actor.lora = {r: 8, alpha:
@@ -75,11 +104,14 @@ def make_config(folder: Path, *, batch: int, new_tokens: int, device: str = "cpu
                 "device": device},
         "models": {"actor": {"path": "model", "init": "random", "dtype": dtype,
                              **({"lora": {"r": 8, "alpha": 16}} if lora else {}), **(actor or {})},
-                   **({"critic": critic} if critic else {})},
+                   **({"critic": critic} if critic else {}),
+                   **({"reference": reference} if reference else {})},
         "data": {"prompts": "prompts.txt", "batch_size": batch, "shuffle": False},
         "collector": {"name": "hf", "max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
                       "temperature": 1.0, "micro_batch_size": max(batch, 1)},
-        "rewards": [{"name": "length", **LENGTH_REWARD}],
+        "rewards": [{"name": "length", **LENGTH_REWARD},
+                    *([{"name": "reward_model", "path": "rm", **reward_model}]
+                      if reward_model is not None else [])],
         "advantage": {"name": "gae", "gamma": 1.0, "lmbda": 0.95, "whiten": True},
         "loss": {"name": "ppo", "clip_low": 0.2, "vf_coef": 0.5, "value_clip": 0.2},
         "kl": {"coef": 0.05},

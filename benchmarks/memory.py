@@ -24,7 +24,10 @@ head, all parameters trained with AdamW); ``full+ckpt`` (the same with activatio
 of actor and critic); ``lora`` (``models.actor.lora = {r: 8, alpha: 16}``: the reference is the
 actor with its adapters disabled; the critic is a full copy of the base backbone + head, fully
 trained, as with ``full``); ``lora+shared`` (also ``models.critic.shared_backbone: true``: the
-value head sits on the actor's own backbone, no second copy). The table shows medians.
+value head sits on the actor's own backbone, no second copy). With ``--variants``, also
+``full+savers`` (``full+ckpt`` plus ``models.reference.offload``: the frozen reference waits on
+CPU) and ``lora+shared+ckpt``. ``full`` is always measured: the table is relative to it. The
+table shows medians.
 """
 
 from __future__ import annotations
@@ -39,23 +42,31 @@ import time
 
 CKPT = {"gradient_checkpointing": True}
 VARIANTS = {"full": {}, "full+ckpt": {"actor": CKPT, "critic": CKPT}, "lora": {"lora": True},
-            "lora+shared": {"lora": True, "critic": {"shared_backbone": True}}}
+            "lora+shared": {"lora": True, "critic": {"shared_backbone": True}},
+            "full+savers": {"actor": CKPT, "critic": CKPT, "reference": {"offload": True}},
+            "lora+shared+ckpt": {"lora": True, "actor": CKPT,
+                                 "critic": {"shared_backbone": True}}}
 
 
 def child(args) -> None:
     """Measure one variant in this (fresh) process; print one JSON line."""
     import torch
 
-    from common import (build_pipeline, count_params, make_assets, make_config, memory_mib,
-                        reset_peak, workdir)
+    from common import (build_pipeline, count_params, make_assets, make_config, make_reward_model,
+                        memory_mib, reset_peak, workdir)
 
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     baseline = 0.0 if cuda else memory_mib()[0]
     folder = make_assets(workdir(), args.size)
+    rm = None
+    if args.reward_model:  # the fourth model; offloaded to CPU between uses with the savers
+        make_reward_model(folder, args.size, args.dtype)
+        rm = {"dtype": args.dtype, "offload": "savers" in args.child}
     cfg = make_config(folder, batch=args.batch, new_tokens=args.new_tokens, device=args.device,
-                      dtype=args.dtype, epochs=1, minibatches=2, **VARIANTS[args.child])
+                      dtype=args.dtype, epochs=1, minibatches=2, reward_model=rm,
+                      **VARIANTS[args.child])
     pipe = build_pipeline(cfg)
     resident, _ = memory_mib(args.device)
     start = time.perf_counter()
@@ -84,7 +95,8 @@ def child(args) -> None:
 def run_child(args, variant: str) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, "--device", args.device, "--size",
            args.size, "--dtype", args.dtype, "--batch", str(args.batch), "--new-tokens",
-           str(args.new_tokens), "--threads", str(args.threads)]
+           str(args.new_tokens), "--threads", str(args.threads),
+           *(["--reward-model"] if args.reward_model else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"child {variant} failed:\n{out.stderr[-3000:]}")
@@ -94,7 +106,10 @@ def run_child(args, variant: str) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--size", default=None, help="medium (CPU default) | small | 300m (GPU)")
+    parser.add_argument("--size", default=None,
+                        help="medium (CPU default) | small | 300m | qwen2.5-0.5b | qwen2.5-1.5b")
+    parser.add_argument("--variants", default="full,full+ckpt,lora,lora+shared",
+                        help="comma-separated, of: " + ", ".join(VARIANTS))
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -102,6 +117,9 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: see BENCHMARKS.md; 0: torch's default)")
     parser.add_argument("--json", type=str, default=None)
+    parser.add_argument("--reward-model", action="store_true",
+                        help="add a sequence-classification reward model of the same architecture "
+                             "(offloaded in the *savers variants)")
     parser.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -122,9 +140,13 @@ def main(argv=None):
     print_header(f"{what} of one PPO step, model {args.size} {args.dtype} on {args.device}, "
                  f"batch {args.batch} x {args.new_tokens} tokens, a fresh process each", info)
     load_before = os.getloadavg()
-    samples = {v: [] for v in VARIANTS}
+    chosen = ["full", *(v for v in args.variants.split(",") if v != "full")]
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    samples = {v: [] for v in chosen}
     for rep in range(args.reps):
-        names = list(VARIANTS)
+        names = list(chosen)
         for variant in names[rep % len(names):] + names[:rep % len(names)]:
             samples[variant].append(run_child(args, variant))
             m = samples[variant][-1]

@@ -1,0 +1,203 @@
+"""Every GPU figure of issue 22 in one run of at most ~10 minutes; results as JSON.
+
+    python benchmarks/gpu/run.py                 # on a CUDA machine -> benchmarks/results/gpu_<device>.json
+    python benchmarks/gpu/run.py --smoke         # on CPU: tiny sizes, every code path, nothing kept
+
+On the lent GPU machine (no network; torch, transformers, peft, accelerate installed), from the
+repository root, with torchrl and tensordict carried as wheels in ``.whl`` (see the device tool):
+
+    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    pip install -q --no-deps --no-build-isolation -e . && python benchmarks/gpu/run.py
+
+Parts (each in a fresh process, so no allocator state carries over):
+
+1. ``phases``: one PPO step of a Qwen2.5-0.5B-architecture actor with its critic (full copies, a
+   frozen reference, random weights) in bf16, batch 64 x 512 response tokens (every response full
+   length): wall time and peak allocated GPU memory of generation (HF ``generate``), scoring
+   (actor, reference, critic forwards), rewards, the PPO update and weight sync; generation
+   tokens/s with the dynamic and with a static KV cache; update-phase MFU = 6 x trainable params
+   x tokens through the update / time / peak dense bf16 FLOP/s (989 TFLOP/s for H100 and H200
+   SXM, the number we use).
+2. ``memory``: `benchmarks/memory.py` at the Qwen2.5-1.5B architecture with a reward model of the
+   same architecture: full copies against LoRA, a shared-backbone critic, activation
+   checkpointing and reference + reward-model offload.
+3. ``tiny``: the tiny example's ``metrics.jsonl`` on CUDA against CPU (10 steps): the largest
+   absolute difference of every metric, against a stated tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+ROOT = HERE.parents[1]
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # dense, SXM
+TINY_TOLERANCE = 5e-2   # |cuda - cpu| of a per-step metric over 10 steps (TF32 matmuls on CUDA)
+
+
+def phases(args) -> dict:
+    """Part 1, in this process: the step's phases, timed and with their peak memory."""
+    import torch
+
+    from common import build_pipeline, count_params, make_assets, make_config, memory_mib, reset_peak
+
+    folder = make_assets(Path(tempfile.mkdtemp()), args.size)
+    cfg = make_config(folder, batch=args.batch, new_tokens=args.new_tokens, device=args.device,
+                      dtype=args.dtype, epochs=1, minibatches=2)
+    pipe = build_pipeline(cfg)
+    pipe.step()  # warm-up: kernels, allocator, optimizer states
+    rows: dict = {}
+
+    def timed(owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            reset_peak(args.device)
+            start = time.perf_counter()
+            out = inner(*a, **k)
+            _, peak = memory_mib(args.device)
+            rows[label] = {"s": time.perf_counter() - start, "peak_mib": peak}
+            return out
+        setattr(owner, name, wrapper)
+
+    p = pipe.plugins
+    for owner, name, label in ((p.collector, "collect", "generate"), (pipe, "_score_tokens", "score"),
+                               (p.rewards, "forward", "rewards"), (pipe.updater, "update", "update"),
+                               (p.collector, "sync_weights", "weight_sync")):
+        timed(owner, name, label)
+    batch, metrics = pipe.step()
+    tokens = int(batch["response_mask"].sum())
+    rows["generate"]["tokens_per_s"] = tokens / rows["generate"]["s"]
+    trainable = sum(count_params(m, trainable=True) for m in (pipe.models.actor, pipe.models.critic))
+    seq_tokens = int(batch["prompt_mask"].sum()) + tokens   # every token goes through the update
+    flops = 6 * trainable * seq_tokens * cfg.train.epochs
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    update = {"trainable_params": trainable, "tokens": seq_tokens, "epochs": cfg.train.epochs,
+              "flops": flops, "tflops_per_s": flops / rows["update"]["s"] / 1e12,
+              "peak_bf16_tflops_used": peak / 1e12 if peak else None,
+              "mfu": flops / rows["update"]["s"] / peak if peak else None}
+    return {"device_name": name, "size": args.size, "batch": args.batch,
+            "new_tokens": args.new_tokens, "dtype": args.dtype, "phases": rows, "update": update,
+            "kv_cache": kv_cache(pipe, batch, args), "step_metrics": metrics}
+
+
+def kv_cache(pipe, batch, args) -> dict:
+    """Generation tokens/s of the actor with transformers' dynamic and static KV caches."""
+    import torch
+
+    from common import sync
+
+    actor, out = pipe.models.actor, {}
+    ids, mask = batch["prompt_ids"][:args.batch], batch["prompt_mask"][:args.batch].long()
+    for cache in ("dynamic", "static"):
+        kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+        with torch.no_grad():
+            for _ in range(2):  # the first call builds (static) caches and kernels
+                sync(args.device)
+                start = time.perf_counter()
+                actor.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                               max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                               pad_token_id=pipe.models.tokenizer.pad_token_id, **kwargs)
+                sync(args.device)
+                seconds = time.perf_counter() - start
+        out[cache] = {"s": seconds, "tokens_per_s": ids.shape[0] * args.new_tokens / seconds}
+    return out
+
+
+def child(part: str, args) -> dict:
+    """Run ``part`` in a fresh process; its JSON result."""
+    cmd = [sys.executable, __file__, "--part", part, "--device", args.device, "--size", args.size,
+           "--dtype", args.dtype, "--batch", str(args.batch), "--new-tokens", str(args.new_tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode:
+        return {"error": out.stderr[-3000:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def memory(args, out_json: Path) -> dict:
+    """Part 2: `benchmarks/memory.py` in its own processes."""
+    size = "small" if args.smoke else "qwen2.5-1.5b"
+    cmd = [sys.executable, str(HERE.parent / "memory.py"), "--device", args.device, "--size", size,
+           "--dtype", args.dtype, "--reps", "1", "--batch", "4" if args.smoke else "16",
+           "--new-tokens", "8" if args.smoke else "256", "--reward-model", "--json", str(out_json),
+           "--variants", "full+ckpt,lora,lora+shared,full+savers,lora+shared+ckpt"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode:
+        return {"error": out.stderr[-3000:]}
+    return json.loads(out_json.read_text())["median"]
+
+
+def tiny(args, folder: Path) -> dict:
+    """Part 3: the tiny example on ``args.device`` against CPU, 10 steps, same seed."""
+    rows = {}
+    for device in (args.device, "cpu"):
+        run_dir = folder / f"tiny-{device.replace(':', '')}-{len(rows)}"
+        cmd = [sys.executable, "-m", "rlpipe.cli", "run", str(ROOT / "examples/tiny/config.yaml"),
+               f"run.device={device}", f"run.output_dir={run_dir}", "--no-progress"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if out.returncode:
+            return {"error": out.stderr[-3000:]}
+        rows[len(rows)] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    a, b = rows[0], rows[1]
+    keys = [k for k in a[0] if not k.startswith(("time/", "perf/")) and k != "step"]
+    diff = {k: max(abs(x[k] - y[k]) for x, y in zip(a, b)) for k in keys}
+    return {"steps": len(a), "tolerance": TINY_TOLERANCE, "max_abs_diff": diff,
+            "within_tolerance": all(v <= TINY_TOLERANCE for v in diff.values())}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: the code paths only")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--size", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--part", choices=["phases"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    smoke = {"device": "cpu", "size": "small", "dtype": "float32", "batch": 4, "new_tokens": 8}
+    real = {"device": "cuda", "size": "qwen2.5-0.5b", "dtype": "bfloat16", "batch": 64,
+            "new_tokens": 512}
+    for key, value in (smoke if args.smoke else real).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.part:
+        print(json.dumps(phases(args), default=str))
+        return
+
+    import torch
+
+    from common import RESULTS, machine, now, write_json
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("no CUDA device: use --smoke on CPU")
+    start, folder = time.perf_counter(), Path(tempfile.mkdtemp(prefix="rlpipe-gpu-"))
+    results = {"machine": machine(args.device), "started": now(), "settings": vars(args),
+               "phases": child("phases", args)}
+    print("phases done", round(time.perf_counter() - start), "s", flush=True)
+    results["memory"] = memory(args, folder / "memory.json")
+    print("memory done", round(time.perf_counter() - start), "s", flush=True)
+    results["tiny"] = tiny(args, folder)
+    results["total_s"] = time.perf_counter() - start
+    name = results["machine"].get("gpu", "cpu").replace(" ", "_")
+    out = Path(args.out) if args.out else (folder / "smoke.json" if args.smoke
+                                           else RESULTS / f"gpu_{name}.json")
+    write_json(out, results)
+    failed = [k for k in ("phases", "memory", "tiny") if "error" in results[k]]
+    print(json.dumps({k: results[k] for k in ("phases", "tiny")}, indent=1, default=str)[:6000])
+    if failed:
+        raise SystemExit(f"parts failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
