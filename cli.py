@@ -158,7 +158,7 @@ def report(run_dir):
 @_user_errors
 def train_rm(config_path, overrides, overwrite, no_progress):
     """Train a Bradley–Terry reward model on preference pairs (JSONL: prompt, chosen, rejected)."""
-    from rlpipe.core.reward_training import load_rm_config, train_reward_model
+    from rlpipe.plugins.rewards.training import load_rm_config, train_reward_model
 
     out = train_reward_model(load_rm_config(config_path, overrides), overwrite=overwrite,
                              progress=not no_progress)

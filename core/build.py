@@ -6,7 +6,6 @@ Plugins are looked up by name in the registry and never special-cased.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import sys
@@ -18,10 +17,12 @@ import torch
 
 from rlpipe.core import registry, rundir
 from rlpipe.core.config import Config, save_config
+from rlpipe.core.config_checks import resolve_plugin
 from rlpipe.core.context import RunContext
+from rlpipe.core.collectors import collector_max_new_tokens
 from rlpipe.core.errors import UserError
-from rlpipe.core.models import (ValueModel, enable_checkpointing, frozen_copy, load_causal_lm,
-                                load_tokenizer)
+from rlpipe.core.models import (Models, ValueModel, enable_checkpointing, frozen_copy,
+                                load_causal_lm, load_tokenizer)
 from rlpipe.core.rewards import RewardComposer
 
 
@@ -86,32 +87,6 @@ def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
     rundir.prepare(run_dir, rundir.RUN_LAYOUT, found)
     save_config(cfg, run_dir / "config.yaml")
     return run_dir
-
-
-@dataclass
-class Models:
-    actor: torch.nn.Module
-    frozen_reference: torch.nn.Module | None   # None with a LoRA actor: adapters disabled instead
-    critic: ValueModel | None
-    tokenizer: object
-    offload_to: torch.device | None = None  # set: the frozen reference lives on CPU, visits this
-
-    @contextlib.contextmanager
-    def reference(self):
-        """The reference policy: a frozen copy, or the LoRA actor with its adapters disabled.
-        An offloaded copy moves to the device for the ``with`` block and back to CPU after it."""
-        ref = self.frozen_reference
-        if ref is None:
-            with self.actor.disable_adapter():
-                yield self.actor
-            return
-        if self.offload_to is not None:
-            ref.to(self.offload_to)
-        try:
-            yield ref
-        finally:
-            if self.offload_to is not None:
-                ref.to("cpu")
 
 
 def apply_lora(model: torch.nn.Module, lora, task_type: str | None):
@@ -219,16 +194,16 @@ class Plugins:
 
 def _make(group: str, section, ctx: RunContext, where: str):
     """The plugin instance, tagged with ``where (group:name (distribution version))`` so that
-    errors in its later calls name it (`registry.call`)."""
-    obj = registry.load(group, section.name)
-    label = f"{where} ({registry.resolve(group, section.name).label})"
-    return registry.instantiate(obj, dict(section.args), ctx, label)
+    errors in its later calls name it (`registry.call`). The plugin is the one `load_config`
+    resolved for ``section``."""
+    plugin = resolve_plugin(section, group)
+    label = f"{where} ({plugin.spec.label})"
+    return registry.instantiate(plugin.obj, dict(section.args), ctx, label)
 
 
 def build_plugins(cfg: Config, ctx: RunContext) -> Plugins:
     collector = _make("collectors", cfg.collector, ctx, "collector")
-    with registry.calling(registry.label_of(collector), "max_new_tokens"):  # a property may raise
-        ctx.max_new_tokens = int(getattr(collector, "max_new_tokens", 0))
+    ctx.max_new_tokens = collector_max_new_tokens(collector)
     parts = [(r.key, r.weight, _make("rewards", r, ctx, f"rewards.{i}"))
              for i, r in enumerate(cfg.rewards)]
     advantage = _make("advantages", cfg.advantage, ctx, "advantage")
@@ -238,8 +213,10 @@ def build_plugins(cfg: Config, ctx: RunContext) -> Plugins:
 
 
 def needs_critic(cfg: Config) -> bool:
-    """Critic-free estimators declare ``needs_critic = False``; no critic is built or trained then."""
-    return bool(getattr(registry.load("advantages", cfg.advantage.name), "needs_critic", True))
+    """Critic-free estimators declare ``needs_critic = False``; no critic is built or trained then
+    (the default, True, is in `registry.DECLARED`)."""
+    advantage = resolve_plugin(cfg.advantage, "advantages").obj
+    return bool(registry.declared("advantages", advantage, "needs_critic"))
 
 
 def trainable(module: torch.nn.Module, exclude: torch.nn.Module | None = None) -> list:

@@ -8,9 +8,12 @@ are `rlpipe.core.config_checks`). Each plugin section (``collector``, ``rewards[
 checked against its signature. Input paths written in the YAML file are relative to the file;
 paths given as overrides are relative to the working directory.
 
->>> cfg = load_config("examples/tiny/config.yaml", ["run.steps=3"])   # doctest: +SKIP
->>> cfg.run.steps                                                      # doctest: +SKIP
-3
+>>> tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"  # a checkout
+>>> cfg = load_config(tiny, ["run.steps=3", "kl.in=loss"])
+>>> cfg.run.steps, cfg.kl.in_, cfg.collector.name, cfg.collector.args["max_new_tokens"]
+(3, 'loss', 'hf', 24)
+>>> cfg.models.actor.path == tiny.parent / "model"   # relative to the file
+True
 """
 
 from __future__ import annotations
@@ -162,6 +165,7 @@ class RewardSettings:
 class PluginConfig:
     name: str
     args: dict[str, Any] = rest()     # the plugin's constructor arguments
+    resolved = None  # not a field: the `registry.Plugin` that `load_config` found (`resolve_plugin`)
 
 
 @dataclass
@@ -170,6 +174,7 @@ class RewardConfig:
     weight: float = 1.0
     label: str | None = None          # metric/score_parts name; defaults to `name`
     args: dict[str, Any] = rest()     # the plugin's constructor arguments
+    resolved = None  # not a field: the `registry.Plugin` that `load_config` found (`resolve_plugin`)
 
     @property
     def key(self) -> str:

@@ -3,7 +3,8 @@
 Single keys (types, ranges, files) are checked while the YAML is converted (`rlpipe.core.yamlconf`);
 what needs several keys, or a plugin's signature, or the model's ``config.json``, is here:
 
-- plugin arguments against each plugin constructor's signature;
+- plugin arguments against each plugin constructor's signature (each plugin is resolved here,
+  once, and kept on its section for build: `resolve_plugin`);
 - at least one reward, unique reward labels; ``ptx.data`` when ``ptx.coef > 0``;
 - the samples of a step (``data.batch_size`` x collector ``n``) split into ``train.minibatches``
   minibatches of at least (processes x ``train.grad_accum``) samples, and a prompt per process;
@@ -49,10 +50,20 @@ def check_config(cfg, conv) -> None:
     check_context(cfg)
 
 
+def resolve_plugin(section, group: str) -> registry.Plugin:
+    """The plugin a config section names, resolved once: `load_config` keeps it on the section
+    (``section.resolved``) and build takes it from there. A section built by hand, or renamed
+    since, is resolved now."""
+    plugin = section.resolved
+    if plugin is None or (plugin.spec.group, plugin.spec.name) != (group, section.name):
+        plugin = section.resolved = registry.get(group, section.name)
+    return plugin
+
+
 def check_plugin_args(section, key: str, group: str, conv) -> None:
     """Check a plugin section's arguments against the plugin constructor's signature."""
-    spec = registry.resolve(group, section.name)
-    params = registry.init_params(registry.load(group, section.name))
+    plugin = resolve_plugin(section, group)
+    spec, params = plugin.spec, registry.init_params(plugin.obj)
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     named = {n: p for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
     for arg, value in section.args.items():
@@ -62,7 +73,7 @@ def check_plugin_args(section, key: str, group: str, conv) -> None:
         if arg in named and named[arg].annotation is not inspect.Parameter.empty:
             hint = named[arg].annotation
             if isinstance(hint, str):  # `from __future__ import annotations` in the plugin
-                obj = registry.load(group, section.name)
+                obj = plugin.obj
                 hint = typing.get_type_hints(obj.__init__ if inspect.isclass(obj) else obj).get(arg, Any)
             section.args[arg] = conv.value(value, hint, f"{key}.{arg}")
     missing = [n for n, p in named.items() if p.default is p.empty and n not in section.args]
@@ -75,7 +86,7 @@ def collector_arg(cfg, name: str):
     default (None when it has no such parameter)."""
     if name in cfg.collector.args:
         return cfg.collector.args[name], True
-    param = registry.init_params(registry.load("collectors", cfg.collector.name)).get(name)
+    param = registry.init_params(resolve_plugin(cfg.collector, "collectors").obj).get(name)
     return (None if param is None or param.default is param.empty else param.default), False
 
 

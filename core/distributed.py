@@ -4,8 +4,8 @@ Each rank generates and scores its share of the step's prompts; the scored rollo
 every rank holds the same global batch (KL shaping, advantages and whitening are then global and
 identical everywhere); in the update each rank takes its slice of every global minibatch, and
 losses are normalised by the global token count (divided by the world size, since FSDP averages
-gradients over ranks). Rank 0 writes
-metrics, checkpoints and the final policy. NCCL on GPU, gloo on CPU.
+gradients over ranks). Rank 0 writes metrics, checkpoints and the final policy. NCCL on GPU, gloo
+on CPU.
 
     rlpipe run CONFIG distributed.nproc=2          # launches torchrun itself (core/launch.py)
     torchrun --nproc_per_node=2 -m rlpipe.cli run CONFIG   # or by hand / a scheduler: joins it

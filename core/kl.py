@@ -1,7 +1,10 @@
-"""KL to the reference policy: per-token estimators, reward shaping, and the KL coefficient.
+"""KL to the reference policy, in one place: the per-token estimators, where the penalty acts
+(`split_coef`: the reward or the loss), reward shaping, the loss term, and the coefficient's
+controllers. Loss plugins use the same estimators for their own KL metrics.
 
 The shaped token reward is ``-coef * KL`` on every valid response token, plus the sequence
-``score`` on the last valid token (DESIGN.md, correctness rules).
+``score`` on the last valid token (DESIGN.md, correctness rules); with ``kl.in: loss`` the reward
+carries the score alone and `loss_term` adds ``coef * KL`` (a masked token mean) to the loss.
 
 >>> import torch
 >>> logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]])
@@ -18,18 +21,18 @@ from rlpipe.core.errors import UserError
 from rlpipe.core.ops import last_token_index
 
 ESTIMATORS = ("k1", "k2", "k3")
+WHERE = ("reward", "loss")
 
 
-def kl_per_token(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-                 estimator: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman,
-    "Approximating KL divergence"): k1 = logp - ref, k2 = (logp - ref)^2 / 2,
-    k3 = exp(ref - logp) - (ref - logp) - 1.
+def estimate(log_ratio: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(q || p) from ``log_ratio = log q(x) - log p(x)`` at tokens ``x``
+    sampled from q (Schulman, "Approximating KL divergence"): k1 = log_ratio (unbiased, may be
+    negative), k2 = log_ratio^2 / 2 (biased, >= 0), k3 = exp(-log_ratio) - 1 + log_ratio
+    (unbiased, >= 0).
 
-    >>> kl_per_token(torch.tensor([0.0]), torch.tensor([-1.0]), "k2").item()
-    0.5
+    >>> [round(estimate(torch.tensor([0.5]), e).item(), 4) for e in ESTIMATORS]
+    [0.5, 0.125, 0.1065]
     """
-    log_ratio = log_prob - ref_log_prob
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
@@ -37,6 +40,45 @@ def kl_per_token(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
     if estimator == "k3":
         return torch.expm1(-log_ratio) + log_ratio
     raise UserError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
+
+
+def kl_per_token(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
+                 estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi: `estimate` of
+    ``log_prob - ref_log_prob``; k1 = logp - ref, k2 = (logp - ref)^2 / 2,
+    k3 = exp(ref - logp) - (ref - logp) - 1.
+
+    >>> kl_per_token(torch.tensor([0.0]), torch.tensor([-1.0]), "k2").item()
+    0.5
+    """
+    return estimate(log_prob - ref_log_prob, estimator)
+
+
+def split_coef(where: str, coef: float) -> tuple[float, float]:
+    """``(reward_coef, loss_coef)``: the coefficient goes where the penalty acts (``kl.in``),
+    0 to the other place.
+
+    >>> split_coef("reward", 0.05), split_coef("loss", 0.05)
+    ((0.05, 0.0), (0.0, 0.05))
+    """
+    if where not in WHERE:
+        raise UserError(f"kl.in must be one of {', '.join(WHERE)}, got {where!r}")
+    return (coef, 0.0) if where == "reward" else (0.0, coef)
+
+
+def loss_term(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor,
+              coef: float | torch.Tensor, num_tokens: torch.Tensor | float,
+              estimator: str = "k1") -> torch.Tensor:
+    """The ``kl.in: loss`` term: ``coef * sum of kl_per_token over valid tokens / num_tokens``
+    (``num_tokens`` is the minibatch-wide count, so the terms of a minibatch's micro-batches add
+    up to its token mean; a count below 1 counts as 1). Differentiable in ``log_prob``.
+
+    >>> loss_term(torch.tensor([[0.0, -1.0]]), torch.tensor([[-1.0, 5.0]]),
+    ...           torch.tensor([[True, False]]), coef=0.5, num_tokens=1.0, estimator="k2").item()
+    0.25
+    """
+    kl_sum = torch.where(mask, kl_per_token(log_prob, ref_log_prob, estimator), 0.0).sum()
+    return coef * kl_sum / torch.as_tensor(num_tokens).clamp(min=1)
 
 
 def shape_reward(score: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,

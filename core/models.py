@@ -1,4 +1,5 @@
-"""The models of a PPO run: actor, critic (backbone + scalar value head), frozen reference.
+"""The models of a PPO run: actor, critic (backbone + scalar value head), frozen reference, held
+together in `Models`.
 
 And the one forward used for every log-prob and value over a batch: prompt (left-padded) and
 response (right-padded) concatenated, ``position_ids = cumsum(mask) - 1``, arguments by keyword,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,19 +49,27 @@ def load_causal_lm(path: Path, init: str = "pretrained", dtype: str = "float32",
                    setting: str = "models.actor.trust_remote_code"):
     """A causal LM from a local folder: pretrained weights, or fresh weights from its config.json.
     The folder is checked first (`rlpipe.core.model_files`); any load error is one line."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    model = _from_folder(AutoModelForCausalLM, path, init, trust_remote_code, setting, "the model",
+                         dtype=_DTYPES[dtype])
+    return model.eval()  # eval always: no dropout, so the on-policy ratio is exactly 1
+
+
+def _from_folder(auto_class, path, init: str, trust_remote_code: bool, setting: str, what: str,
+                 **kwargs):
+    """``auto_class`` from a checked folder: its weights, or fresh ones (``init="random"``)."""
+    from transformers import AutoConfig
 
     path = Path(path)
     check_model_dir(path, trust_remote_code, setting)
     remote = {"trust_remote_code": trust_remote_code}
-    with loading(path, "the model"):
+    with loading(path, what):
         if init == "random":
             config = AutoConfig.from_pretrained(str(path), **remote)
-            model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype], **remote)
-        else:
-            check_weights(path)
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype], **remote)
-    return model.eval()  # eval always: no dropout, so the on-policy ratio is exactly 1
+            return auto_class.from_config(config, **kwargs, **remote)
+        check_weights(path)
+        return auto_class.from_pretrained(str(path), **kwargs, **remote)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -125,19 +135,11 @@ class ValueModel(nn.Module):
     def from_pretrained(cls, path: Path, init: str = "pretrained", trust_remote_code: bool = False,
                         setting: str = "models.critic.trust_remote_code") -> "ValueModel":
         """A fresh value head on the folder's backbone (checked as in `load_causal_lm`)."""
-        from transformers import AutoConfig, AutoModel
+        from transformers import AutoModel
 
-        path = Path(path)
-        check_model_dir(path, trust_remote_code, setting)
-        remote = {"trust_remote_code": trust_remote_code}
-        with loading(path, "the critic backbone"):
-            if init == "random":
-                config = AutoConfig.from_pretrained(str(path), **remote)
-                backbone = AutoModel.from_config(config, **remote)
-            else:
-                check_weights(path)
-                backbone = AutoModel.from_pretrained(str(path), **remote)
-            return cls(backbone, backbone.config.hidden_size)
+        backbone = _from_folder(AutoModel, path, init, trust_remote_code, setting,
+                                "the critic backbone")
+        return cls(backbone, backbone.config.hidden_size)
 
     def forward(self, input_ids, attention_mask, position_ids):
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
@@ -155,6 +157,34 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     ref = copy.deepcopy(model).eval()
     ref.requires_grad_(False)
     return ref
+
+
+@dataclass
+class Models:
+    """The models of a run, as `rlpipe.core.build.build_models` makes them."""
+
+    actor: torch.nn.Module
+    frozen_reference: torch.nn.Module | None   # None with a LoRA actor: adapters disabled instead
+    critic: ValueModel | None
+    tokenizer: object
+    offload_to: torch.device | None = None  # set: the frozen reference lives on CPU, visits this
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The reference policy: a frozen copy, or the LoRA actor with its adapters disabled.
+        An offloaded copy moves to the device for the ``with`` block and back to CPU after it."""
+        ref = self.frozen_reference
+        if ref is None:
+            with self.actor.disable_adapter():
+                yield self.actor
+            return
+        if self.offload_to is not None:
+            ref.to(self.offload_to)
+        try:
+            yield ref
+        finally:
+            if self.offload_to is not None:
+                ref.to("cpu")
 
 
 def _joined(prompt_ids, prompt_mask, response_ids, response_mask):

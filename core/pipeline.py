@@ -3,9 +3,16 @@
     prompts -> 1. collect -> 2. log-probs/values -> 3. rewards -> 4. KL shaping
             -> 5. advantage -> 6. PPO epochs -> 7. weight sync -> 8. metrics
 
->>> from rlpipe import load_config, train                         # doctest: +SKIP
->>> train(load_config("examples/tiny/config.yaml", ["run.steps=2"]))  # doctest: +SKIP
-PosixPath('.../runs/tiny')
+One PPO step of the tiny example (a few seconds on CPU):
+
+>>> import shutil, tempfile
+>>> from rlpipe import load_config, train
+>>> tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"  # a checkout
+>>> out = Path(tempfile.mkdtemp()) / "tiny"
+>>> run_dir = train(load_config(tiny, ["run.steps=1", f"run.output_dir={out}"]), progress=False)
+>>> run_dir == out, sorted(p.name for p in out.iterdir())
+(True, ['.rlpipe-run', 'config.yaml', 'final', 'metrics.jsonl'])
+>>> shutil.rmtree(out.parent)
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from tensordict import TensorDict
 from rlpipe.core import build, checkpoint, distributed, guards, kl, registry, rundir, schema
 from rlpipe.core.config import Config, save_config
 from rlpipe.core.context import RunContext
+from rlpipe.core.collectors import close_collector, collector_temperature
 from rlpipe.core.data import PromptStream, load_prompts
 from rlpipe.core.errors import UserError
 from rlpipe.core.metrics import MetricsWriter, keep_steps, to_float
@@ -63,7 +71,7 @@ class Pipeline:
         self.ctx = RunContext(tokenizer=self.models.tokenizer, actor=self.models.actor,
                               device=self.device, seed=cfg.run.seed, run_dir=self.run_dir)
         self.plugins = build.build_plugins(cfg, self.ctx)
-        self.temperature = float(getattr(self.plugins.collector, "temperature", 1.0))
+        self.temperature = collector_temperature(self.plugins.collector)
         self.prompts = PromptStream(load_prompts(cfg.data.prompts), cfg.data.batch_size,
                                     cfg.data.shuffle, cfg.run.seed)
         self.kl_ctl = (kl.AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
@@ -117,12 +125,13 @@ class Pipeline:
         self._check(batch, [S.OLD_LOG_PROB, S.REF_LOG_PROB, S.VALUE, S.SCORE], "rewards")
         batch = self.dist.gather(batch)  # every rank now holds the whole scored rollout
         mask, engine_gap = batch[S.RESPONSE_MASK], self._engine_gap(batch)
-        # 4. KL shaping: score on the last valid token, -beta * KL on every token
+        # 4. KL shaping: score on the last valid token, -beta * KL on every token (kl.in: reward;
+        #    with kl.in: loss beta goes to the loss in stage 6)
         kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], self.cfg.kl.estimator)
         kl_tok = kl_tok * mask
         guards.check_kl(batch, kl_tok, self.cfg.kl.estimator)
         coef = self.kl_ctl.value
-        reward_coef = coef if self.cfg.kl.in_ == "reward" else 0.0
+        reward_coef, loss_coef = kl.split_coef(self.cfg.kl.in_, coef)
         batch[S.REWARD] = kl.shape_reward(batch[S.SCORE], kl_tok, mask, reward_coef)
         # 5. advantage and value targets
         advantage = self.plugins.advantage
@@ -132,8 +141,7 @@ class Pipeline:
         # 6. PPO epochs over minibatches (the critic alone during critic warm-up)
         t1 = time.perf_counter()
         warmup = self.step_count < self.cfg.train.critic_warmup_steps
-        kl_loss_coef = coef if self.cfg.kl.in_ == "loss" else 0.0
-        update_metrics = self.updater.update(batch, train_actor=not warmup, kl_coef=kl_loss_coef)
+        update_metrics = self.updater.update(batch, train_actor=not warmup, kl_coef=loss_coef)
         t_update = time.perf_counter() - t1
         # 7. weight sync: push the updated actor to the generation engine
         registry.call(self.plugins.collector.sync_weights, self.models.actor)
@@ -339,8 +347,7 @@ class Pipeline:
                 if every and (self.step_count % every == 0 or self.step_count == cfg.run.steps):
                     self.save_checkpoint()
         self.save_final()
-        if callable(getattr(self.plugins.collector, "close", None)):
-            self.plugins.collector.close()  # e.g. stop a vLLM engine
+        close_collector(self.plugins.collector)  # e.g. stop a vLLM engine
         return self.run_dir
 
 

@@ -1,24 +1,36 @@
 """Plugin registry over Python entry points (built-ins included), flake8/fsspec style.
 
-Finding plugins reads distribution metadata only; a plugin is imported when a config selects it
-(`load`) or when `rlpipe plugins` asks for its status. A plugin that fails to import or has the
-wrong shape is reported as ``group:name (distribution version): reason`` and does not take the
-others down. ``RLPIPE_DISABLE_PLUGIN_AUTOLOAD=1`` restricts the registry to rlpipe's built-ins.
+Finding plugins reads distribution metadata only, once per process: the scan of every ``rlpipe.*``
+group is cached (keyed by ``RLPIPE_DISABLE_PLUGIN_AUTOLOAD`` and ``sys.path``; `refresh` forgets
+it). A plugin is imported with `EntryPoint.load` when a config selects it (`get`, `load`) or when
+`rlpipe plugins` asks for its status, and the loaded object is cached too. A plugin that fails to
+import or has the wrong shape is reported as ``group:name (distribution version): reason`` and
+does not take the others down. ``RLPIPE_DISABLE_PLUGIN_AUTOLOAD=1`` restricts the registry to
+rlpipe's built-ins.
+
+Optional attributes that a plugin class may declare and that have no contract module of their own
+(an advantage's ``needs_critic``; collectors: `rlpipe.core.collectors`, losses:
+`rlpipe.core.loss`) are listed with their defaults in `DECLARED` and read through `declared`.
 
 >>> from rlpipe.core import registry
 >>> sorted(registry.find("advantages"))[:1]
 ['gae']
->>> registry.load("advantages", "gae").__name__
-'GAE'
+>>> plugin = registry.get("advantages", "gae")
+>>> plugin.obj.__name__, plugin.spec.dist, registry.load("advantages", "gae") is plugin.obj
+('GAE', 'rlpipe', True)
+>>> registry.declared("advantages", plugin.obj, "needs_critic")
+True
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
-from dataclasses import dataclass
-from importlib.metadata import entry_points
+import sys
+from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint, entry_points
 
 from torch import nn
 
@@ -42,6 +54,7 @@ class PluginSpec:
     value: str       # "module:attr"
     dist: str
     version: str
+    entry_point: EntryPoint | None = field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -58,16 +71,33 @@ def find(group: str) -> dict[str, list[PluginSpec]]:
     if group not in GROUPS:
         raise PluginError(f"unknown plugin group {group!r}; groups: {', '.join(GROUPS)}")
     only_builtin = os.environ.get(DISABLE_ENV, "") not in ("", "0")
-    found: dict[str, list[PluginSpec]] = {}
-    for ep in entry_points(group=f"rlpipe.{group}"):
-        dist = ep.dist.name if ep.dist is not None else "unknown"
-        version = ep.dist.version if ep.dist is not None else "?"
-        spec = PluginSpec(group, ep.name, ep.value, dist, version)
-        if only_builtin and not spec.builtin:
-            continue
-        if spec not in found.setdefault(ep.name, []):
-            found[ep.name].append(spec)
-    return dict(sorted(found.items()))
+    return {name: list(specs) for name, specs in _scan(only_builtin, tuple(sys.path))[group].items()}
+
+
+@functools.lru_cache(maxsize=8)
+def _scan(only_builtin: bool, path: tuple[str, ...]) -> dict[str, dict[str, tuple[PluginSpec, ...]]]:
+    """Every rlpipe entry point, by group and name, read from metadata once per ``(only_builtin,
+    sys.path)``: a folder added to ``sys.path`` (a test's fake site) is a new key, seen without
+    `refresh`; a distribution installed in-process into a folder already on it needs `refresh`."""
+    del path  # only the cache key: `entry_points` reads the current sys.path
+    found: dict[str, dict[str, list[PluginSpec]]] = {group: {} for group in GROUPS}
+    for group in GROUPS:
+        for ep in entry_points(group=f"rlpipe.{group}"):
+            dist = ep.dist.name if ep.dist is not None else "unknown"
+            version = ep.dist.version if ep.dist is not None else "?"
+            spec = PluginSpec(group, ep.name, ep.value, dist, version, ep)
+            if only_builtin and not spec.builtin:
+                continue
+            if spec not in found[group].setdefault(ep.name, []):
+                found[group][ep.name].append(spec)
+    return {group: {name: tuple(specs) for name, specs in sorted(by_name.items())}
+            for group, by_name in found.items()}
+
+
+def refresh() -> None:
+    """Forget the cached metadata scan and loaded plugins (after installing a plugin in-process)."""
+    _scan.cache_clear()
+    _import.cache_clear()
 
 
 def _check_collector(obj):
@@ -101,13 +131,13 @@ _CHECKS = {"collectors": _check_collector, "rewards": _check_reward,
            "advantages": _check_module_class, "losses": _check_loss}
 
 
+@functools.lru_cache(maxsize=None)
 def _import(spec: PluginSpec):
-    """Import one entry point and check its shape; `PluginError` with provenance on failure."""
-    module_name, _, attr = spec.value.partition(":")
+    """Import one entry point (`EntryPoint.load`) and check its shape, once per spec (a failure
+    is not cached: it is raised again on the next call); `PluginError` with provenance."""
+    entry_point = spec.entry_point or EntryPoint(spec.name, spec.value, f"rlpipe.{spec.group}")
     try:
-        obj = __import__(module_name, fromlist=["_"])
-        for part in filter(None, attr.split(".")):
-            obj = getattr(obj, part)
+        obj = entry_point.load()
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - third-party code, sys.exit included, is reported
@@ -139,9 +169,48 @@ def resolve(group: str, name: str) -> PluginSpec:
     return specs[0]
 
 
+@dataclass(frozen=True)
+class Plugin:
+    """A resolved plugin: its entry point and the loaded object (a class; a plain reward function
+    comes back wrapped in a module class)."""
+
+    spec: PluginSpec
+    obj: object
+
+
+def get(group: str, name: str) -> Plugin:
+    """The unique plugin ``name`` of ``group``, imported and shape-checked (cached)."""
+    spec = resolve(group, name)
+    return Plugin(spec, _import(spec))
+
+
 def load(group: str, name: str):
     """Import and return the plugin object (a class; plain reward functions come back wrapped)."""
-    return _import(resolve(group, name))
+    return get(group, name).obj
+
+
+# Optional attributes a plugin class may declare, per group, with the value core uses when it does
+# not; core reads them only through `declared`.
+DECLARED = {
+    "advantages": {"needs_critic": True},  # False: the estimator reads no value; no critic is built
+    # read through rlpipe.core.collectors, which also checks the values
+    "collectors": {"temperature": 1.0, "max_new_tokens": 0, "close": None},
+    # read through rlpipe.core.loss.contract_of: None means LossContract()'s defaults
+    "losses": {"contract": None, "set_kl_estimator": None},
+}
+
+
+def declared(group: str, obj, name: str):
+    """The attribute ``name`` that plugin ``obj`` (class or instance) of ``group`` declares, or its
+    documented default from `DECLARED`.
+
+    >>> class Baseline:
+    ...     needs_critic = False
+    >>> declared("advantages", Baseline, "needs_critic"), declared("advantages", object, "needs_critic")
+    (False, True)
+    """
+    default = DECLARED[group][name]
+    return getattr(obj, name, default)
 
 
 def init_params(obj) -> dict[str, inspect.Parameter]:

@@ -3,9 +3,17 @@
 matplotlib is an optional extra (``pip install rlpipe[report]``), imported only when plotting.
 A resumed run may log a step twice; the last row for a step wins.
 
->>> paths = write_report(Path("runs/tiny"))   # doctest: +SKIP
->>> [p.name for p in paths][:2]               # doctest: +SKIP
-['overview.png', 'reward.png']
+>>> import json, shutil, tempfile
+>>> run = Path(tempfile.mkdtemp())
+>>> rows = [{"step": 1, "reward/score": -1.0, "kl/ref": 0.0},
+...         {"step": 2, "reward/score": 0.5, "kl/ref": 0.02}]
+>>> with open(run / "metrics.jsonl", "w") as f:
+...     print(*map(json.dumps, rows), sep=chr(10), file=f)
+>>> print(summary(run).splitlines()[1])
+reward/score       -1 -> 0.5  (best 0.5 at step 2)
+>>> [p.name for p in write_report(run)]           # needs matplotlib
+['overview.png', 'reward.png', 'kl.png']
+>>> shutil.rmtree(run)
 """
 
 from __future__ import annotations

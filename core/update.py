@@ -4,7 +4,8 @@ K epochs x shuffled minibatches (one optimizer step each) x gradient-accumulatio
 Losses are normalised by the token and sequence counts of the whole minibatch (``num_tokens``,
 ``num_seqs`` in every micro-batch), so the micro-batch split does not change the gradient. A
 minibatch whose loss or gradient is not finite is skipped; ``train.max_bad_steps`` in a row stop
-the run.
+the run. What the trainer computes for the loss, and how the loss's metrics reduce, is the loss's
+declared `rlpipe.core.loss.LossContract`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from tensordict import TensorDict
 from rlpipe.core import build, guards, kl, registry, schema
 from rlpipe.core.data import PtxStream
 from rlpipe.core.errors import UserError
-from rlpipe.core.metrics import flatten
+from rlpipe.core.loss import (LossContract, add_parts, contract_of, exceeds, finish,
+                              micro_parts)
 from rlpipe.core.models import checkpointing, logprobs_and_values
 
 S = schema
@@ -35,6 +37,7 @@ class Updater:
         from rlpipe.core.distributed import Dist
 
         t = cfg.train
+        self.contract = _checked_contract(cfg, models, loss)  # first: a mistake costs nothing
         self.cfg, self.models, self.loss = cfg, models, loss
         self.temperature, self.device, self.dist = temperature, device, dist or Dist()
         self.params = {"actor": build.trainable(models.actor)}
@@ -45,26 +48,32 @@ class Updater:
         self.ptx = PtxStream(cfg.ptx, models.tokenizer, dist) if cfg.ptx.coef > 0 else None
         self.scheds = {k: build.make_scheduler(o, cfg) for k, o in self.opts.items()}
         self.shuffle = torch.Generator().manual_seed(cfg.run.seed)
-        # a loss that declares entropy_coef = 0 logs the entropy without differentiating it
-        self.entropy_grad = getattr(loss, "entropy_coef", 1.0) != 0
         self.bad_in_a_row = 0
         self.bad_terms: list[str] = []  # non-finite loss_* entries of this minibatch
 
-    def _micro_step(self, micro: TensorDict, kl_coef: float) -> TensorDict:
-        """Forward the current models on one micro-batch, run the loss, backward; return its output."""
-        m = self.models
+    def _micro_step(self, micro: TensorDict) -> TensorDict:
+        """Forward the current models on one micro-batch as the loss's contract asks, run the
+        loss, backward; return its output."""
+        m, need = self.models, self.contract
         inputs = [micro[k] for k in (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)]
-        logp, entropy, values = logprobs_and_values(m.actor, m.critic, inputs, self.temperature,
-                                                    True, self.entropy_grad)
-        micro[S.LOG_PROB], micro[S.ENTROPY] = logp, entropy
+        logp, entropy, values = logprobs_and_values(
+            m.actor, m.critic, inputs, self.temperature, with_entropy=need.entropy != "none",
+            entropy_grad=need.entropy == "grad")
+        micro[S.LOG_PROB] = logp
+        if entropy is not None:
+            micro[S.ENTROPY] = entropy
         if values is not None:
             micro[S.VALUE_PRED] = values
         out = registry.call(self.loss, micro)  # an error in the plugin names it
-        guards.loss_terms(out, self.loss)
-        if kl_coef:  # kl.in: loss -- the KL penalty as a loss term instead of in the reward
-            kl_tok = kl.kl_per_token(micro[S.LOG_PROB], micro[S.REF_LOG_PROB], self.cfg.kl.estimator)
-            kl_sum = torch.where(micro[S.RESPONSE_MASK], kl_tok, 0.0).sum()
-            out["loss_kl"] = kl_coef * kl_sum / micro[S.NUM_TOKENS][0].clamp(min=1)
+        terms = guards.loss_terms(out, self.loss)
+        if S.KL_COEF in micro.keys():  # kl.in: loss -- the KL penalty as a loss term
+            if not need.kl_term:  # the documented default: the trainer adds the shared term
+                out["loss_kl"] = kl.loss_term(micro[S.LOG_PROB], micro[S.REF_LOG_PROB],
+                                              micro[S.RESPONSE_MASK], micro[S.KL_COEF][0],
+                                              micro[S.NUM_TOKENS][0], self.cfg.kl.estimator)
+            elif "loss_kl" not in terms:
+                raise UserError(f"{registry.label_of(self.loss)} declares kl_term but wrote no "
+                                f"loss_kl with kl.in: loss")
         losses = [v for k, v in out.items() if k.startswith("loss_")]
         self.bad_terms += [k for k, v in out.items() if k.startswith("loss_")
                            and k not in self.bad_terms and guards.nonfinite(v)]
@@ -114,68 +123,91 @@ class Updater:
 
     def _minibatch(self, mb: TensorDict, kl_coef: float, train_actor: bool) -> tuple[dict, dict]:
         """Forward/backward this rank's slice of one minibatch in ``grad_accum`` micro-batches.
-        Returns the summed ``loss_*`` entries and token-weighted sums of the other metrics."""
+        Returns the summed ``loss_*`` entries and the summed parts of the other metrics
+        (`rlpipe.core.loss.micro_parts`)."""
         t, d = self.cfg.train, self.dist
         n = mb.batch_size[0]
         # global counts / world: FSDP averages the ranks' gradients, we want their sum
         mb[S.NUM_TOKENS] = (mb[S.RESPONSE_MASK].sum().float() / d.world).expand(n)
         mb[S.NUM_SEQS] = torch.full((n,), n / d.world, device=self.device)
+        if kl_coef:
+            mb[S.KL_COEF] = torch.full((n,), kl_coef, device=self.device)
         local = mb[d.rank::d.world]
         losses: dict[str, float] = {}
-        weighted: dict[str, float] = {"tokens": 0.0}
+        parts: dict[str, list[float]] = {}
+        who = registry.label_of(self.loss)
         for part in torch.arange(len(local)).tensor_split(t.grad_accum):
             micro = local[part.to(self.device)]
-            out = flatten(self._micro_step(micro, kl_coef))
+            out = self._micro_step(micro)
             tokens = float(micro[S.RESPONSE_MASK].sum())
-            for k, v in out.items():
-                into, w = (losses, 1.0) if k.startswith("loss_") else (weighted, tokens)
-                into[k] = into.get(k, 0.0) + w * v
-            weighted["tokens"] += tokens
+            micro_losses, micro_metrics = micro_parts(out, self.contract, tokens,
+                                                      float(len(micro)), who)
+            for k, v in micro_losses.items():
+                losses[k] = losses.get(k, 0.0) + v
+            add_parts(parts, micro_metrics)
         if self.ptx is not None and train_actor:  # PPO-ptx: LM loss on pretraining text
             ptx_loss = self.models.actor(**self.ptx.next_batch(self.device), use_cache=False).loss
             (self.cfg.ptx.coef * ptx_loss).backward()
             losses["loss_ptx"] = self.cfg.ptx.coef * float(ptx_loss)
             losses["loss_total"] += losses["loss_ptx"]
             losses["policy/ptx_loss"] = float(ptx_loss)
-        return losses, weighted
+        return losses, parts
 
     def _epochs(self, batch: TensorDict, train_actor: bool, kl_coef: float):
         """The epoch x minibatch loop. Returns the stepped minibatches' summed ``loss_*`` outputs
-        and weighted metrics, the optimizer steps done, the minibatches skipped, and whether
-        ``target_kl`` stopped the loop."""
-        t, d = self.cfg.train, self.dist
+        and metric parts, the optimizer steps done, the minibatches skipped, and whether
+        ``target_kl`` stopped the loop (on the loss's declared approx-KL metric)."""
+        t = self.cfg.train
         losses: dict[str, float] = {}
-        weighted: dict[str, float] = {}
+        parts: dict[str, list[float]] = {}
         done, skipped = 0, 0
         for _ in range(t.epochs):
             for idx in self._minibatches(batch.batch_size[0]):
-                mb_losses, mb_weighted = self._minibatch(batch[idx.to(self.device)], kl_coef,
-                                                        train_actor)
-                agreed = d.mean({"loss": mb_losses["loss_total"], "tokens": mb_weighted["tokens"],
-                                 "approx_kl": mb_weighted.get("policy/approx_kl", 0.0)})
-                if self._optimizer_step(train_actor, agreed["loss"]):
+                mb_losses, mb_parts = self._minibatch(batch[idx.to(self.device)], kl_coef,
+                                                     train_actor)
+                agreed = self._rank_mean({"loss": [mb_losses["loss_total"]],
+                                          **self._kl_parts(mb_parts)})
+                if self._optimizer_step(train_actor, agreed["loss"][0]):
                     done += 1
-                    for total, part in ((losses, mb_losses), (weighted, mb_weighted)):
-                        for k, v in part.items():
-                            total[k] = total.get(k, 0.0) + v
+                    for k, v in mb_losses.items():
+                        losses[k] = losses.get(k, 0.0) + v
+                    add_parts(parts, mb_parts)
                 else:
                     skipped += 1
-                if t.target_kl is not None and agreed["approx_kl"] > t.target_kl * agreed["tokens"]:
-                    return losses, weighted, done, skipped, True
-        return losses, weighted, done, skipped, False
+                if t.target_kl is not None and exceeds(
+                        agreed["kl"], self.contract.reduction(self.contract.approx_kl_metric),
+                        t.target_kl):
+                    return losses, parts, done, skipped, True
+        return losses, parts, done, skipped, False
+
+    def _kl_parts(self, mb_parts: dict) -> dict:
+        """``{"kl": parts}`` of the declared approx-KL metric when ``train.target_kl`` is set."""
+        if self.cfg.train.target_kl is None:
+            return {}
+        name = self.contract.approx_kl_metric
+        if name not in mb_parts:
+            raise UserError(f"train.target_kl: {registry.label_of(self.loss)} declares "
+                            f"approx_kl_metric {name!r} but did not write it")
+        return {"kl": mb_parts[name]}
+
+    def _rank_mean(self, parts: dict[str, list[float]]) -> dict[str, list[float]]:
+        """Every part averaged over ranks (the ratios `rlpipe.core.loss.finish` takes stay)."""
+        flat = self.dist.mean({f"{k}[{i}]": x for k, v in parts.items() for i, x in enumerate(v)})
+        return {k: [flat[f"{k}[{i}]"] for i in range(len(v))] for k, v in parts.items()}
 
     def update(self, batch: TensorDict, train_actor: bool = True, kl_coef: float = 0.0) -> dict:
         """Run the PPO epochs on ``batch`` (the global rollout; each rank trains on its slice of
-        every minibatch). Returns ``loss/*`` averaged over minibatches and the loss module's other
-        metrics as token-weighted means over all micro-batches and ranks, so that neither depends
-        on how the batch is split. Skipped (non-finite) minibatches are left out of both."""
+        every minibatch). ``kl_coef`` > 0 (``kl.in: loss``) adds the KL term to the loss. Returns
+        ``loss/*`` averaged over minibatches and the loss module's other metrics reduced as its
+        contract declares (token- or sequence-weighted over all micro-batches and ranks, or
+        pooled), so that neither depends on how the batch is split. Skipped (non-finite)
+        minibatches are left out of both."""
         with checkpointing(self.models.actor, self.models.critic):  # no-op unless enabled
-            losses, weighted, done, skipped, stopped = self._epochs(batch, train_actor, kl_coef)
-        losses, weighted = self.dist.mean(losses), self.dist.mean(weighted)
+            losses, parts, done, skipped, stopped = self._epochs(batch, train_actor, kl_coef)
+        losses, parts = self.dist.mean(losses), self._rank_mean(parts)
         metrics = {(f"loss/{k[5:]}" if k.startswith("loss_") else k): v / max(done, 1)
                    for k, v in losses.items()}
-        tokens = max(weighted.pop("tokens", 0.0), 1.0)
-        metrics.update({k: v / tokens for k, v in weighted.items()})
+        metrics.update(finish(parts, self.contract))
         metrics.update({"train/skipped_minibatches": skipped, "train/early_stopped": int(stopped),
                         "train/lr": self.scheds["actor"].get_last_lr()[0]})
         return metrics
@@ -201,3 +233,20 @@ class Updater:
             self.scheds[k].load_state_dict(state["scheds"][k])
         self.shuffle.set_state(state["shuffle"])
         self.bad_in_a_row = int(state["bad_in_a_row"])
+
+
+def _checked_contract(cfg, models, loss) -> LossContract:
+    """The loss's contract, checked against the run before any step: ``train.target_kl`` needs
+    a declared approx-KL metric, a critic needs a loss that trains it; a loss that adds the KL
+    term itself is told the estimator."""
+    declared = contract_of(loss)
+    who = registry.label_of(loss)
+    if cfg.train.target_kl is not None and declared.approx_kl_metric is None:
+        raise UserError(f"train.target_kl is set but {who} declares no approx-KL metric "
+                        f"(LossContract.approx_kl_metric); unset train.target_kl")
+    if models.critic is not None and not declared.values:
+        raise UserError(f"advantage {cfg.advantage.name!r} needs a critic, but {who} declares "
+                        f"values=False: nothing would train the critic")
+    if declared.kl_term:
+        loss.set_kl_estimator(cfg.kl.estimator)
+    return declared

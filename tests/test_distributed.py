@@ -28,7 +28,7 @@ GREEDY = ["collector.temperature=0", "collector.micro_batch_size=1"]
 SMALL = ["run.steps=2", "train.epochs=2", "train.minibatches=2", "--no-progress"]
 UPDATE_KEYS = ("reward/score", "kl/ref", "loss/objective", "loss/critic", "policy/loss",
                "policy/clipfrac", "policy/approx_kl", "policy/entropy", "value/loss",
-               "value/clipfrac", "response/length", "response/finished_frac")
+               "value/clipfrac", "value/explained_var", "response/length", "response/finished_frac")
 
 
 def free_port() -> int:

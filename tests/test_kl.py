@@ -1,4 +1,5 @@
-"""KL estimators, reward shaping and KL controllers against plain-Python formulas."""
+"""KL estimators, where the penalty acts, reward shaping, the loss term and the KL controllers
+against plain-Python formulas."""
 
 import math
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from rlpipe.core.errors import UserError
-from rlpipe.core.kl import AdaptiveKLController, FixedKLController, kl_per_token, shape_reward
+from rlpipe.core.kl import (ESTIMATORS, AdaptiveKLController, FixedKLController, estimate,
+                            kl_per_token, loss_term, shape_reward, split_coef)
 
 FORMULAS = {
     "k1": lambda lp, ref: lp - ref,
@@ -34,6 +36,48 @@ def test_k3_is_unbiased_for_sampled_tokens():
     k3 = kl_per_token(pi.log(), ref.log(), "k3")
     exact = sum(p * math.log(p / q) for p, q in zip(pi.tolist(), ref.tolist()))
     assert abs((pi * k3).sum().item() - exact) < 1e-12
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_estimate_of_log_q_over_p_is_kl_q_p(estimator):
+    """``estimate(log q - log p)`` over x ~ q has expectation KL(q || p) (k1, k3 unbiased), and
+    k2 is Schulman's 1/2 E_q[(log q/p)^2], all exact over a small categorical."""
+    q = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)
+    p = torch.tensor([0.3, 0.3, 0.4], dtype=torch.float64)
+    exact = sum(a * math.log(a / b) for a, b in zip(q.tolist(), p.tolist()))
+    got = (q * estimate(q.log() - p.log(), estimator)).sum().item()
+    assert got == pytest.approx(exact, rel=1e-12)
+    k2 = sum(a * 0.5 * math.log(a / b) ** 2 for a, b in zip(q.tolist(), p.tolist()))
+    assert (q * estimate(q.log() - p.log(), "k2")).sum().item() == pytest.approx(k2, rel=1e-12)
+
+
+def test_split_coef_puts_beta_where_the_penalty_acts():
+    assert split_coef("reward", 0.3) == (0.3, 0.0)
+    assert split_coef("loss", 0.3) == (0.0, 0.3)
+    with pytest.raises(UserError, match="kl.in"):
+        split_coef("advantage", 0.3)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_loss_term_matches_a_float64_loop_and_adds_up_over_micro_batches(estimator):
+    gen = torch.Generator().manual_seed(3)
+    lengths = [4, 0, 2, 5, 1, 3]
+    mask = torch.arange(5) < torch.tensor(lengths).unsqueeze(-1)
+    logp = -torch.rand(6, 5, generator=gen, dtype=torch.float64) * 2
+    ref = -torch.rand(6, 5, generator=gen, dtype=torch.float64) * 2
+    logp, ref = torch.where(mask, logp, 1e4), torch.where(mask, ref, -1e4)  # garbage on padding
+    coef, n = 0.7, sum(lengths)
+    expected = coef * sum(FORMULAS[estimator](logp[b, t].item(), ref[b, t].item())
+                          for b in range(6) for t in range(lengths[b])) / n
+    whole = loss_term(logp, ref, mask, coef, n, estimator)
+    assert whole.item() == pytest.approx(expected, rel=1e-12)
+    parts = [loss_term(a, b, m, torch.tensor(coef, dtype=torch.float64), torch.tensor(float(n)),
+                       estimator) for a, b, m in zip(logp.split(2), ref.split(2), mask.split(2))]
+    assert sum(parts).item() == pytest.approx(expected, rel=1e-12)
+    leaf = logp.clone().requires_grad_()
+    loss_term(leaf, ref, mask, coef, n, estimator).backward()
+    assert (leaf.grad[~mask] == 0).all() and leaf.grad[mask].abs().sum() > 0
+    assert loss_term(logp, ref, torch.zeros_like(mask), coef, 0, estimator).item() == 0.0
 
 
 def test_unknown_estimator_raises_user_error():

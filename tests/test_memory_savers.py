@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlpipe.core.build import Models
 from rlpipe.core.config import load_config
 from rlpipe.core.errors import UserError
-from rlpipe.core.models import checkpointing, enable_checkpointing, response_logprobs, unwrap
+from rlpipe.core.models import (Models, checkpointing, enable_checkpointing, response_logprobs,
+                                unwrap)
 from rlpipe.core.pipeline import Pipeline
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"

@@ -1,4 +1,5 @@
-"""PPOLoss against a float64 plain-loop oracle; micro-batch split invariance; masking."""
+"""PPOLoss against a float64 plain-loop oracle; micro-batch split invariance; masking; its KL
+term (kl.in: loss) and its pooled explained variance."""
 
 import math
 
@@ -7,8 +8,10 @@ import torch
 from tensordict import TensorDict
 
 from rlpipe.core.errors import UserError
-from rlpipe.core.schema import (ADVANTAGE, ENTROPY, LOG_PROB, NUM_SEQS, NUM_TOKENS, OLD_LOG_PROB,
-                                RESPONSE_MASK, VALUE, VALUE_PRED, VALUE_TARGET)
+from rlpipe.core.loss import add_parts, finish, micro_parts
+from rlpipe.core.schema import (ADVANTAGE, ENTROPY, KL_COEF, LOG_PROB, NUM_SEQS, NUM_TOKENS,
+                                OLD_LOG_PROB, REF_LOG_PROB, RESPONSE_MASK, VALUE, VALUE_PRED,
+                                VALUE_TARGET)
 from rlpipe.plugins.losses.ppo import AGG_MODES, PPOLoss
 
 LENGTHS = [5, 2, 0, 3, 5, 1, 4, 0]  # full-length and zero-length rows included
@@ -217,3 +220,48 @@ def test_set_keys_renames_inputs():
 def test_bad_arguments_raise_user_error(kwargs):
     with pytest.raises(UserError, match=next(iter(kwargs))):
         PPOLoss(**kwargs)
+
+
+KL_FORMULAS = {"k1": lambda lp, ref: lp - ref, "k2": lambda lp, ref: 0.5 * (lp - ref) ** 2,
+               "k3": lambda lp, ref: math.exp(ref - lp) - (ref - lp) - 1}
+
+
+@pytest.mark.parametrize("estimator", sorted(KL_FORMULAS))
+def test_kl_term_uses_the_configured_estimator_and_splits(estimator):
+    """With ``kl_coef`` in the micro-batch, loss_kl = coef * sum KL / num_tokens (the run's
+    estimator, float64 loop oracle); its micro-batch parts add up; without it, no loss_kl."""
+    base = make_batch(seed=8, garbage=1e4)
+    gen = torch.Generator().manual_seed(9)
+    ref = base[OLD_LOG_PROB] + 0.5 * torch.randn(base[OLD_LOG_PROB].shape, generator=gen,
+                                                 dtype=torch.float64)
+    base[REF_LOG_PROB] = torch.where(base[RESPONSE_MASK], ref, -1e4)
+    mask, n = base[RESPONSE_MASK], float(base[RESPONSE_MASK].sum())
+    expected = 0.3 * sum(KL_FORMULAS[estimator](base[LOG_PROB][b, t].item(), ref[b, t].item())
+                         for b, t in mask.nonzero().tolist()) / n
+    loss = PPOLoss()
+    loss.set_kl_estimator(estimator)
+    assert "loss_kl" not in loss(base).keys()
+    base[KL_COEF] = torch.full((len(base),), 0.3, dtype=torch.float64)
+    assert loss(base)["loss_kl"].item() == pytest.approx(expected, rel=1e-12)
+    base[NUM_TOKENS] = torch.full((len(base),), n, dtype=torch.float64)
+    parts = sum(loss(micro)["loss_kl"] for micro in base.split(3))
+    assert parts.item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_explained_var_pools_over_micro_batches():
+    """The sums PPOLoss writes pool to the whole batch's explained variance (float64 oracle)
+    for 1 and 3 micro-batches; each micro-batch's own entry is its own explained variance."""
+    td = make_batch(seed=10, garbage=1e4)
+    expected = oracle(td, {})[("value", "explained_var")]
+    loss = PPOLoss()
+    for splits in (1, 3):
+        total = {}
+        for micro in td.tensor_split(splits):
+            out = loss(micro)
+            _, parts = micro_parts(out, loss.contract, float(micro[RESPONSE_MASK].sum()),
+                                   float(len(micro)))
+            add_parts(total, parts)
+        pooled = finish(total, loss.contract)
+        assert pooled["value/explained_var"] == pytest.approx(expected, abs=1e-6), splits
+        assert "value/explained_var_sums" not in pooled
+    assert loss(td)[("value", "explained_var")].item() == pytest.approx(expected, rel=1e-10)

@@ -119,3 +119,35 @@ def test_cli_plugins_lists_broken_plugin_and_exits_zero(fake_site):
     bad = next(line for line in lines if " bad " in line)
     assert "fakeplug" in bad and "broken" in bad
     assert any(line.split()[:5] == ["rewards", "length", "rlpipe", "0.1.0", "ok"] for line in lines)
+
+
+def test_metadata_is_scanned_once_and_plugins_loaded_once(fake_site, monkeypatch):
+    scans, loads = [], []
+    real_entry_points, real_load = registry.entry_points, registry.EntryPoint.load
+    monkeypatch.setattr(registry, "entry_points", lambda **kw: scans.append(kw) or real_entry_points(**kw))
+    monkeypatch.setattr(registry.EntryPoint, "load", lambda ep: loads.append(ep.value) or real_load(ep))
+    registry.refresh()
+    for _ in range(3):
+        assert "shout" in registry.find("rewards") and registry.resolve("advantages", "gae")
+        first = registry.load("rewards", "shout")
+    assert len(scans) == len(registry.GROUPS)  # one scan of every group, then the cache
+    assert loads == ["fakeplug_ok:shout"] and registry.load("rewards", "shout") is first
+    assert registry.get("rewards", "shout").spec.entry_point.value == "fakeplug_ok:shout"
+    for _ in range(2):  # a failed import is not cached: it is tried (and reported) each time
+        with pytest.raises(PluginError, match="failed to import"):
+            registry.load("rewards", "bad")
+    assert loads.count("fakeplug_bad:Reward") == 2
+    registry.refresh()
+    registry.find("rewards")
+    assert len(scans) == 2 * len(registry.GROUPS)
+
+
+def test_a_new_sys_path_entry_is_seen_without_refresh(tmp_path, monkeypatch):
+    monkeypatch.delenv(registry.DISABLE_ENV, raising=False)
+    registry.find("rewards")  # cached for the current sys.path
+    late = tmp_path / "late"
+    late.mkdir()
+    make_dist(late, "lateplug", "0.3", {"rewards": {"late": "lateplug:late"}},
+              {"lateplug": "def late(prompts, responses, **batch):\n    return [0.0] * len(prompts)\n"})
+    monkeypatch.syspath_prepend(str(late))
+    assert registry.resolve("rewards", "late").label == "rlpipe.rewards:late (lateplug 0.3)"

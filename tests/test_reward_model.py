@@ -19,9 +19,9 @@ from rlpipe.core import schema as S
 from rlpipe.core.config import load_config
 from rlpipe.core.errors import UserError
 from rlpipe.core.pipeline import Pipeline
-from rlpipe.core.reward_training import RewardModelTrainer, load_rm_config
 from rlpipe.core.rewards import RewardComposer
 from rlpipe.plugins.rewards.reward_model import RewardModel, score_texts
+from rlpipe.plugins.rewards.training import RewardModelTrainer, load_rm_config
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 KEYWORD = "great"

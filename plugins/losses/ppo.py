@@ -2,9 +2,11 @@
 loss, entropy bonus, all masked to valid response tokens.
 
 The loss holds no networks: the trainer writes the current policy's ``log_prob``, ``entropy``
-and ``value_pred`` into the micro-batch. Losses are sums over the micro-batch divided by the
+and ``value_pred`` into the micro-batch, as the loss's `LossContract` asks (entropy with a graph
+only when ``entropy_coef > 0``). Losses are sums over the micro-batch divided by the
 minibatch-wide counts ``num_tokens``/``num_seqs``, so the losses of the micro-batches of a
-minibatch add up to the loss of the whole minibatch.
+minibatch add up to the loss of the whole minibatch. With ``kl.in: loss`` it adds ``loss_kl``
+itself (`rlpipe.core.kl.loss_term`, the run's estimator).
 
 >>> import torch
 >>> from tensordict import TensorDict
@@ -18,17 +20,19 @@ minibatch add up to the loss of the whole minibatch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
 import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
-from torchrl.objectives import LossModule
 
-from rlpipe.core import schema
+from rlpipe.core import kl, schema
 from rlpipe.core.errors import UserError
-from rlpipe.core.ops import masked_mean, masked_var
+from rlpipe.core.loss import (EXPLAINED_VAR, LossContract, PipelineLoss, explained_var,
+                              explained_var_sums, global_count)
+from rlpipe.core.ops import masked_mean
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 VALUE_LOSSES = ("mse", "huber")
@@ -104,42 +108,46 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str,
     return per_seq.sum() / torch.as_tensor(num_seqs).clamp_min(1)
 
 
-def _global_count(td: TensorDictBase, key: NestedKey, local: torch.Tensor) -> torch.Tensor:
-    """The minibatch-wide count stored under ``key`` (every entry holds it), else ``local``."""
-    count = td.get(key, None)
-    return local if count is None or count.numel() == 0 else count.reshape(-1)[0]
-
-
-class PPOLoss(LossModule):
+class PPOLoss(PipelineLoss):
     """PPO loss over a micro-batch (see the module docstring). Emits ``loss_objective``,
     ``loss_critic`` (when ``value_pred`` is present, times ``vf_coef``), ``loss_entropy`` (when
-    ``entropy`` is present and ``entropy_coef > 0``) and detached metrics under ``policy`` and
-    ``value``: each a masked token mean over this micro-batch, except ``explained_var``
-    (``1 - Var(target - pred) / Var(target)`` over its valid tokens). ``approx_kl`` is the k2
-    estimator ``(log_ratio)^2 / 2``.
+    ``entropy`` is present and ``entropy_coef > 0``), ``loss_kl`` (when the micro-batch carries
+    ``kl_coef``) and detached metrics under ``policy`` and ``value``: each a masked token mean
+    over this micro-batch, except ``explained_var`` (``1 - Var(target - pred) / Var(target)``
+    over its valid tokens; its sums, under ``explained_var_sums``, let the trainer pool it over
+    micro-batches and processes). ``approx_kl`` is the k2 estimator ``(log_ratio)^2 / 2`` of
+    KL(pi_old || pi) (`rlpipe.core.kl.estimate`), the metric ``train.target_kl`` reads.
 
     >>> PPOLoss(clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean").clip_high
     0.28
+    >>> PPOLoss().contract.entropy, PPOLoss(entropy_coef=0.01).contract.entropy
+    ('detached', 'grad')
     """
 
+    APPROX_KL_ESTIMATOR = "k2"
+    contract = LossContract(
+        entropy="grad", values=True, kl_term=True, approx_kl_metric="policy/approx_kl",
+        metrics={"policy/loss": "token", "policy/clipfrac": "token",
+                 "policy/clipfrac_lower": "token", "policy/approx_kl": "token",
+                 "policy/entropy": "token", "value/loss": "token", "value/clipfrac": "token",
+                 "value/explained_var": EXPLAINED_VAR})
+
     @dataclass
-    class _AcceptedKeys:
-        log_prob: NestedKey = schema.LOG_PROB
+    class _AcceptedKeys(PipelineLoss._AcceptedKeys):
         old_log_prob: NestedKey = schema.OLD_LOG_PROB
         advantage: NestedKey = schema.ADVANTAGE
-        response_mask: NestedKey = schema.RESPONSE_MASK
         entropy: NestedKey = schema.ENTROPY
         value_pred: NestedKey = schema.VALUE_PRED
         value: NestedKey = schema.VALUE
         value_target: NestedKey = schema.VALUE_TARGET
-        num_tokens: NestedKey = schema.NUM_TOKENS
         num_seqs: NestedKey = schema.NUM_SEQS
 
     default_keys = _AcceptedKeys
-    out_keys = ["loss_objective", "loss_critic", "loss_entropy",
+    out_keys = ["loss_objective", "loss_critic", "loss_entropy", "loss_kl",
                 ("policy", "loss"), ("policy", "clipfrac"), ("policy", "clipfrac_lower"),
                 ("policy", "approx_kl"), ("policy", "entropy"),
-                ("value", "loss"), ("value", "clipfrac"), ("value", "explained_var")]
+                ("value", "loss"), ("value", "clipfrac"), ("value", "explained_var"),
+                ("value", "explained_var_sums")]
 
     def __init__(self, *, clip_low: float = 0.2, clip_high: float | None = None,
                  dual_clip: float | None = None, log_ratio_clamp: float = 20.0,
@@ -168,11 +176,14 @@ class PPOLoss(LossModule):
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
         self.log_ratio_clamp, self.vf_coef, self.value_clip = log_ratio_clamp, vf_coef, value_clip
         self.value_loss, self.entropy_coef, self.agg = value_loss, entropy_coef, agg
+        # the entropy needs a graph only when it is in the loss; otherwise it is a metric
+        self.contract = dataclasses.replace(self.contract,
+                                            entropy="grad" if entropy_coef > 0 else "detached")
 
     @property
     def in_keys(self) -> list[NestedKey]:
-        """Every key the loss reads; ``entropy``, ``value_pred``, ``value`` and the counts are
-        optional."""
+        """Every key the loss reads; ``entropy``, ``value_pred``, ``value``, ``ref_log_prob``,
+        ``kl_coef`` and the counts are optional."""
         return list(vars(self.tensor_keys).values())
 
     def forward(self, td: TensorDictBase) -> TensorDict:
@@ -180,8 +191,8 @@ class PPOLoss(LossModule):
         mask = td.get(keys.response_mask)
         agg = functools.partial(
             aggregate_loss, mask=mask, mode=self.agg,
-            num_tokens=_global_count(td, keys.num_tokens, mask.sum()),
-            num_seqs=_global_count(td, keys.num_seqs, torch.tensor(mask.shape[0])))
+            num_tokens=global_count(td, keys.num_tokens, mask.sum()),
+            num_seqs=global_count(td, keys.num_seqs, torch.tensor(mask.shape[0])))
         loss, clipped, clipped_lower, log_ratio = ppo_policy_loss(
             td.get(keys.log_prob), td.get(keys.old_log_prob), td.get(keys.advantage),
             clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
@@ -189,7 +200,7 @@ class PPOLoss(LossModule):
         out = TensorDict({"loss_objective": agg(loss)}, batch_size=[])
         metrics = {("policy", "loss"): loss, ("policy", "clipfrac"): clipped,
                    ("policy", "clipfrac_lower"): clipped_lower,
-                   ("policy", "approx_kl"): 0.5 * log_ratio * log_ratio}
+                   ("policy", "approx_kl"): kl.estimate(-log_ratio, self.APPROX_KL_ESTIMATOR)}
         entropy = td.get(keys.entropy, None)
         if entropy is not None:
             metrics[("policy", "entropy")] = entropy
@@ -205,9 +216,12 @@ class PPOLoss(LossModule):
             out.set("loss_critic", self.vf_coef * agg(value_loss))
             metrics[("value", "loss")] = value_loss
             metrics[("value", "clipfrac")] = value_clipped
-            residual_var = masked_var((target - value_pred).detach(), mask)
-            explained_var = 1 - residual_var / masked_var(target, mask).clamp_min(1e-8)
-            out.set(("value", "explained_var"), explained_var)
+            sums = explained_var_sums(value_pred, target, mask)
+            out.set(("value", "explained_var"), explained_var(sums).to(value_pred.dtype))
+            out.set(("value", "explained_var_sums"), sums)
         for key, x in metrics.items():
             out.set(key, masked_mean(x.detach().to(log_ratio.dtype), mask))
+        kl_loss = self.kl_penalty(td)  # kl.in: loss
+        if kl_loss is not None:
+            out.set("loss_kl", kl_loss)
         return out

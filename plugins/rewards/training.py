@@ -1,4 +1,5 @@
-"""``rlpipe train-rm``: a Bradley–Terry reward model from preference pairs.
+"""``rlpipe train-rm``: a Bradley–Terry reward model from preference pairs, for the
+``reward_model`` plugin (`rlpipe.plugins.rewards.reward_model`), whose text formatting it shares.
 
 Each JSONL line holds ``prompt``, ``chosen`` and ``rejected``; the loss is
 ``-log sigmoid(r(prompt, chosen) - r(prompt, rejected) - margin)``. A seeded share of the pairs is
@@ -6,11 +7,25 @@ held out, and its pairwise accuracy (how often ``r_chosen > r_rejected``) is pri
 epoch. The output folder is a ``save_pretrained`` sequence classifier with one output plus its
 tokenizer (LoRA adapters merged into a copy), which the ``reward_model`` plugin loads as it is,
 and ``metrics.jsonl`` (one JSON object per epoch). Texts are formatted exactly as the plugin
-formats them (`rlpipe.plugins.rewards.reward_model.rm_inputs`).
+formats them (`rlpipe.plugins.rewards.reward_model.rm_inputs`). Not an entry point itself: the
+CLI (``rlpipe train-rm``) and the quickstart call it; core does not import it.
 
->>> cfg = load_rm_config("examples/reward_model/config.yaml", ["train.epochs=1"])  # doctest: +SKIP
->>> RewardModelTrainer(cfg, progress=False).train()                                 # doctest: +SKIP
-PosixPath('.../runs/reward_model')
+The demo config trains the tiny example's random 2-layer Llama on 40 pairs (a few seconds):
+
+>>> import tempfile
+>>> from pathlib import Path
+>>> config = Path(__file__).resolve().parents[2] / "examples" / "reward_model" / "config.yaml"
+>>> out = Path(tempfile.mkdtemp()) / "rm"
+>>> cfg = load_rm_config(config, ["train.epochs=1", "train.device=cpu", f"output_dir={out}"])
+>>> trainer = RewardModelTrainer(cfg, progress=False)
+>>> len(trainer.train_pairs), len(trainer.eval_pairs)
+(32, 8)
+>>> trainer.train() == out  # doctest: +ELLIPSIS
+epoch 1/1: train loss ..., held-out accuracy ...
+True
+>>> sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".jsonl", ".safetensors"))[:3]
+['config.json', 'metrics.jsonl', 'model.safetensors']
+>>> import shutil; shutil.rmtree(out.parent)
 """
 
 from __future__ import annotations

@@ -1,0 +1,59 @@
+"""The collector contract as core reads it: one adapter, with a documented default for each
+attribute a collector may leave out.
+
+A collector (group ``rlpipe.collectors``) is a class with ``collect(prompts) -> TensorDict`` and
+``sync_weights(model)``, which the registry checks. Core also reads, here and only here:
+
+- ``temperature``: the sampling temperature; the trainer's log-probs divide the logits by it
+  (0, greedy, scores at temperature 1). A real number >= 0; default 1.0.
+- ``max_new_tokens``: the response budget, handed to the other plugins as
+  ``ctx.max_new_tokens``. An integer >= 0; default 0 (unknown).
+- ``close()``: release the engine at the end of a run; default: nothing to release.
+
+`rlpipe.plugins.collectors.base.Collector` declares all three; a collector that does not subclass
+it gets the defaults listed in `rlpipe.core.registry.DECLARED`. A value of the wrong kind, or an error raised while reading it
+(a property), is one line naming the plugin.
+
+>>> class Bare:
+...     def collect(self, prompts): ...
+...     def sync_weights(self, model): ...
+>>> collector_temperature(Bare()), collector_max_new_tokens(Bare()), close_collector(Bare())
+(1.0, 0, None)
+"""
+
+from __future__ import annotations
+
+import math
+
+from rlpipe.core import registry
+from rlpipe.core.errors import UserError
+
+def _attribute(collector, name: str, convert=lambda value: value):
+    """``convert(collector.name)``, or of its default; what a property or the conversion raises is
+    one line naming the plugin."""
+    with registry.calling(registry.label_of(collector), name):
+        return convert(registry.declared("collectors", collector, name))
+
+
+def collector_temperature(collector) -> float:
+    """The collector's sampling temperature (default 1.0)."""
+    value = _attribute(collector, "temperature", float)
+    if not math.isfinite(value) or value < 0:
+        raise UserError(f"{registry.label_of(collector)}: temperature must be >= 0 and finite, "
+                        f"got {value!r}")
+    return value
+
+
+def collector_max_new_tokens(collector) -> int:
+    """The collector's response budget (default 0: unknown)."""
+    value = _attribute(collector, "max_new_tokens", int)
+    if value < 0:
+        raise UserError(f"{registry.label_of(collector)}: max_new_tokens must be >= 0, got {value}")
+    return value
+
+
+def close_collector(collector) -> None:
+    """Call the collector's ``close()`` if it has one (e.g. stop a vLLM engine)."""
+    close = _attribute(collector, "close")
+    if callable(close):
+        registry.call(close)

@@ -1,0 +1,85 @@
+"""Tests for core's collector adapter (core/collectors.py): declared values, documented defaults
+for a collector that does not subclass the base, and errors that name the plugin."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlpipe.core import registry
+from rlpipe.core.collectors import (close_collector, collector_max_new_tokens,
+                                    collector_temperature)
+from rlpipe.core.errors import UserError
+from rlpipe.plugins.collectors.hf import HFCollector
+
+LABEL = "collector (rlpipe.collectors:toy (toy 1.0))"
+
+
+class Bare:
+    def collect(self, prompts):
+        return None
+
+    def sync_weights(self, model):
+        pass
+
+
+def tagged(collector):
+    registry.tag(collector, LABEL)
+    return collector
+
+
+def test_declared_values_are_read(ctx):
+    collector = HFCollector(ctx, temperature=0.7, max_new_tokens=12)
+    assert collector_temperature(collector) == 0.7 and collector_max_new_tokens(collector) == 12
+    assert close_collector(collector) is None
+
+
+def test_a_bare_collector_gets_the_documented_defaults():
+    from rlpipe.core.registry import DECLARED
+
+    assert DECLARED["collectors"] == {"temperature": 1.0, "max_new_tokens": 0, "close": None}
+    bare = Bare()
+    assert collector_temperature(bare) == 1.0 and collector_max_new_tokens(bare) == 0
+    close_collector(bare)  # no close(): nothing to do
+
+
+def test_values_are_converted_and_close_is_called():
+    bare, closed = Bare(), []
+    bare.temperature, bare.max_new_tokens, bare.close = 1, 8.0, lambda: closed.append(1)
+    assert collector_temperature(bare) == 1.0 and isinstance(collector_temperature(bare), float)
+    assert collector_max_new_tokens(bare) == 8
+    close_collector(bare)
+    assert closed == [1]
+
+
+@pytest.mark.parametrize("name, value, fragment", [
+    ("temperature", -1.0, "temperature must be >= 0 and finite, got -1.0"),
+    ("temperature", float("nan"), "temperature must be >= 0 and finite, got nan"),
+    ("max_new_tokens", -2, "max_new_tokens must be >= 0, got -2"),
+])
+def test_bad_values_name_the_plugin(name, value, fragment):
+    bare = tagged(Bare())
+    setattr(bare, name, value)
+    reader = collector_temperature if name == "temperature" else collector_max_new_tokens
+    with pytest.raises(UserError, match="^" + LABEL.replace("(", r"\(").replace(")", r"\)")) as info:
+        reader(bare)
+    assert str(info.value) == f"{LABEL}: {fragment}"
+
+
+def test_what_a_property_or_close_raises_names_the_plugin():
+    class Broken(Bare):
+        @property
+        def temperature(self):
+            raise RuntimeError("no engine")
+
+        def close(self):
+            raise RuntimeError("already gone")
+
+    broken = tagged(Broken())
+    with pytest.raises(registry.PluginError, match="failed in temperature: RuntimeError: no engine"):
+        collector_temperature(broken)
+    with pytest.raises(registry.PluginError, match="failed in close: RuntimeError: already gone"):
+        close_collector(broken)
+    bare = tagged(Bare())
+    bare.max_new_tokens = "many"
+    with pytest.raises(registry.PluginError, match=r"toy 1.0\)\) failed in max_new_tokens: Value"):
+        collector_max_new_tokens(bare)

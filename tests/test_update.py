@@ -1,0 +1,239 @@
+"""The PPO update (core/update.py): critic warm-up, NaN guard, target KL, KL as a loss term,
+schedules, ptx, and the loss contract -- what the trainer computes for a loss, who adds the KL
+term, which metric stops the epochs, and metrics that do not depend on the micro-batch split."""
+
+import copy
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.objectives import LossModule
+
+from rlpipe.core import schema as S
+from rlpipe.core.config import load_config
+from rlpipe.core.errors import UserError
+from rlpipe.core.loss import LossContract
+from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.update import TrainingDiverged, Updater
+from rlpipe.plugins.losses.ppo import PPOLoss
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
+
+
+def tiny(run_dir, *overrides):
+    return load_config(TINY, [f"run.output_dir={run_dir}", "run.steps=2", *overrides])
+
+
+def params(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def same(a, b):
+    return all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_critic_warmup_leaves_the_actor_unchanged(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "train.critic_warmup_steps=1", "run.steps=1"), progress=False)
+    actor0, critic0 = params(pipe.models.actor), params(pipe.models.critic)
+    pipe.train()
+    assert same(actor0, params(pipe.models.actor))
+    assert not same(critic0, params(pipe.models.critic))
+
+
+class NaNLoss(torch.nn.Module):
+    """Wraps a loss and makes its objective NaN for the first ``n`` calls."""
+
+    def __init__(self, loss, n):
+        super().__init__()
+        self.loss, self.n = loss, n
+
+    def forward(self, td: TensorDict):
+        out = self.loss(td)
+        if self.n > 0:
+            self.n -= 1
+            out["loss_objective"] = out["loss_objective"] * float("nan")
+        return out
+
+
+def test_nan_minibatch_is_skipped_and_repeated_nan_stops(tmp_path):
+    cfg = tiny(tmp_path / "a", "run.steps=1", "train.epochs=1", "train.minibatches=2",
+               "train.max_bad_steps=2")
+    pipe = Pipeline(cfg, progress=False)
+    pipe.updater.loss = NaNLoss(pipe.updater.loss, n=1)
+    _, metrics = pipe.step()
+    assert metrics["train/skipped_minibatches"] == 1
+    assert all(torch.isfinite(p).all() for p in pipe.models.actor.parameters())
+    pipe.updater.loss.n = 2
+    with pytest.raises(TrainingDiverged, match="2 consecutive minibatches"):
+        pipe.step()
+
+
+def test_target_kl_stops_the_epochs(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "train.target_kl=0.0", "train.lr=0.01", "train.epochs=4"),
+                    progress=False)
+    pipe.step()  # first step: ratio 1 on the first minibatch, approx_kl 0: no stop yet possible
+    _, metrics = pipe.step()
+    assert metrics["train/early_stopped"] == 1
+
+
+def test_kl_as_loss_term(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "kl.in=loss", "kl.estimator=k3", "kl.coef=0.5"), progress=False)
+    pipe.step()
+    batch, metrics = pipe.step()
+    reward_total = batch[S.REWARD].sum(-1)
+    assert torch.allclose(reward_total, batch[S.SCORE])  # no KL in the reward
+    assert metrics["loss/kl"] > 0
+
+
+def test_cosine_schedule_with_warmup(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "train.schedule=cosine", "train.warmup_steps=2",
+                         "train.lr=0.001"), progress=False)
+    sched = pipe.updater.scheds["actor"]
+    lrs = []
+    for _ in range(2 * 2 * 2):  # steps x epochs x minibatches
+        lrs.append(sched.get_last_lr()[0])
+        sched.step()
+    assert lrs[0] == pytest.approx(0.001 / 3) and lrs[1] == pytest.approx(0.002 / 3)
+    assert lrs[2] == pytest.approx(0.001) and lrs[-1] < lrs[3] < lrs[2]
+
+
+def test_ptx_language_modelling_loss(tmp_path):
+    (tmp_path / "ptx.txt").write_text("The weather is nice today.\nA short story about a cat.\n")
+    pipe = Pipeline(tiny(tmp_path / "run", "ptx.coef=0.5", f"ptx.data={tmp_path / 'ptx.txt'}",
+                         "ptx.batch_size=2"), progress=False)
+    _, metrics = pipe.step()
+    assert metrics["policy/ptx_loss"] > 0
+    assert metrics["loss/ptx"] == pytest.approx(0.5 * metrics["policy/ptx_loss"])
+
+
+# ---- the loss contract -------------------------------------------------------------------------
+
+UPDATE = ("loss/objective", "loss/critic", "loss/kl", "loss/total", "policy/loss",
+          "policy/clipfrac", "policy/approx_kl", "policy/entropy", "value/loss", "value/clipfrac")
+
+
+@pytest.fixture(scope="module")
+def rollout(tmp_path_factory):
+    """A pipeline of the tiny example and one scored rollout batch (shared, read-only)."""
+    pipe = Pipeline(tiny(tmp_path_factory.mktemp("rollout"), "train.epochs=1"), progress=False)
+    batch, _ = pipe.step()
+    return pipe, batch
+
+
+def updater(pipe, loss, *settings):
+    """A fresh Updater over the pipeline's models; ``settings`` are ``(section, key, value)``."""
+    cfg = copy.deepcopy(pipe.cfg)
+    for section, key, value in settings:
+        setattr(getattr(cfg, section), key, value)
+    return Updater(cfg, pipe.models, loss, pipe.temperature, pipe.device, pipe.dist)
+
+
+class Recording(PPOLoss):
+    """PPOLoss that records, per call, whether ``entropy`` and ``value_pred`` came, with a graph."""
+
+    def __init__(self, entropy: str, **kwargs):
+        super().__init__(**kwargs)
+        self.contract = dataclasses.replace(self.contract, entropy=entropy)
+        self.seen = []
+
+    def forward(self, td):
+        got = {k: td.get(k).requires_grad for k in (S.ENTROPY, S.VALUE_PRED) if k in td.keys()}
+        self.seen.append(got)
+        return super().forward(td)
+
+
+@pytest.mark.parametrize("entropy, expected", [("grad", {S.ENTROPY: True, S.VALUE_PRED: True}),
+                                               ("detached", {S.ENTROPY: False, S.VALUE_PRED: True}),
+                                               ("none", {S.VALUE_PRED: True})])
+def test_the_trainer_computes_what_the_loss_declares(rollout, entropy, expected):
+    pipe, batch = rollout
+    loss = Recording(entropy)
+    updater(pipe, loss).update(batch.clone())
+    assert loss.seen and all(seen == expected for seen in loss.seen)
+
+
+def test_target_kl_without_a_declared_metric_is_a_build_time_error():
+    class NoKL(LossModule):
+        contract = LossContract()
+    models = SimpleNamespace(actor=None, critic=None)  # never reached: the check comes first
+    cfg = load_config(TINY, ["train.target_kl=0.02"])
+    with pytest.raises(UserError, match="train.target_kl is set but .* declares no approx-KL"):
+        Updater(cfg, models, NoKL(), 1.0, torch.device("cpu"))
+    values = SimpleNamespace(actor=None, critic=torch.nn.Linear(1, 1))
+    with pytest.raises(UserError, match="needs a critic, but .* declares values=False"):
+        Updater(load_config(TINY), values, type("NoValues", (LossModule,), {
+            "contract": LossContract(values=False)})(), 1.0, torch.device("cpu"))
+
+
+class LoudKL(PPOLoss):
+    """Declares ``policy/always_big`` (always 100) as its approx-KL metric."""
+
+    contract = dataclasses.replace(PPOLoss.contract, approx_kl_metric="policy/always_big")
+
+    def forward(self, td):
+        out = super().forward(td)
+        out["policy", "always_big"] = torch.tensor(100.0)
+        return out
+
+
+def test_target_kl_reads_the_declared_metric(rollout):
+    pipe, batch = rollout
+    stop = updater(pipe, LoudKL(), ("train", "target_kl", 1.0), ("train", "epochs", 3))
+    assert stop.update(batch.clone())["train/early_stopped"] == 1  # after the first minibatch
+    quiet = updater(pipe, PPOLoss(), ("train", "target_kl", 1e6), ("train", "epochs", 2))
+    assert quiet.update(batch.clone())["train/early_stopped"] == 0
+    missing = updater(pipe, PPOLoss(), ("train", "target_kl", 1.0))
+    missing.contract = dataclasses.replace(missing.contract, approx_kl_metric="policy/absent")
+    with pytest.raises(UserError, match="declares approx_kl_metric 'policy/absent' but did not"):
+        missing.update(batch.clone())
+
+
+class Bare(LossModule):
+    """A third-party loss with no contract: PPO without its own KL term."""
+
+    def __init__(self):
+        super().__init__()
+        self.ppo = PPOLoss()
+
+    def forward(self, td):
+        return self.ppo(td.exclude(S.KL_COEF))
+
+
+def test_default_kl_term_is_the_losss_own(tmp_path):
+    """kl.in: loss -- the trainer's default term (for a loss that does not declare kl_term) and
+    PPOLoss's own term are one implementation: the same update, number for number."""
+    runs = {}
+    for name, make in (("own", PPOLoss), ("default", Bare)):
+        pipe = Pipeline(tiny(tmp_path / name, "kl.in=loss", "kl.estimator=k3", "kl.coef=0.5",
+                             "run.steps=1"), progress=False)
+        pipe.updater = updater(pipe, make())
+        runs[name] = pipe.step()[1]
+    assert runs["own"]["loss/kl"] > 0
+    for key in UPDATE:
+        assert runs["default"][key] == runs["own"][key], key
+
+
+class NoKLTerm(PPOLoss):
+    def forward(self, td):
+        return super().forward(td).exclude("loss_kl")
+
+
+def test_a_declared_kl_term_must_be_written(rollout):
+    pipe, batch = rollout
+    with pytest.raises(UserError, match="declares kl_term but wrote no loss_kl"):
+        updater(pipe, NoKLTerm()).update(batch.clone(), kl_coef=0.1)
+
+
+def test_explained_var_does_not_depend_on_the_micro_batch_split(tmp_path):
+    """1 and 3 micro-batches per minibatch give the same value/explained_var (pooled sums), as
+    they give the same losses; a token-weighted mean of micro-batch values would not."""
+    got = {}
+    for accum in (1, 3):
+        pipe = Pipeline(tiny(tmp_path / str(accum), f"train.grad_accum={accum}", "run.steps=1"),
+                        progress=False)
+        got[accum] = pipe.step()[1]
+    for key in (*UPDATE[:2], *UPDATE[3:], "value/explained_var"):
+        assert got[3][key] == pytest.approx(got[1][key], rel=1e-5, abs=1e-6), key
