@@ -84,17 +84,20 @@ def _report(failures: dict, log_dir: Path) -> int:
     """Print the failed workers' own error line once; the exit status to return."""
     codes = {rank: f.exitcode for rank, f in failures.items()}
     printed = any(f.local_rank == 0 and f.exitcode == 2 for f in failures.values())
-    # The cause first: a worker that exited by itself, the earliest; the launcher then stops
-    # the others with SIGTERM.
-    rank, cause = min(failures.items(), key=lambda kv: (kv[1].exitcode < 0, kv[1].timestamp))
+    # The cause: a worker that reported a user error (it may have been stopped while exiting),
+    # else one that exited by itself, the earliest; the launcher then stops the others.
+    errors = {f.local_rank: [x for x in _stderr(log_dir, f.local_rank) if x.startswith("error")]
+              for f in failures.values()}
+    rank, cause = min(failures.items(), key=lambda kv: (not errors[kv[1].local_rank],
+                                                        kv[1].exitcode < 0, kv[1].timestamp))
     if not printed:  # local rank 0 did not print an error line itself
-        lines = _stderr(log_dir, cause.local_rank)
-        errors = [line for line in lines if line.startswith("error")]
-        if cause.exitcode != 2 and not errors:  # a crash, not a user mistake: keep its traceback
-            click.echo("\n".join(lines[-40:]), err=True)
-        click.echo(errors[0] if errors else f"error: worker rank {rank} {_signal(cause.exitcode)}",
+        mine = errors[cause.local_rank]
+        crash = _stderr(log_dir, cause.local_rank)[-40:]
+        if not mine and crash:  # a crash, not a user mistake: keep its traceback
+            click.echo("\n".join(crash), err=True)
+        click.echo(mine[0] if mine else f"error: worker rank {rank} {_signal(cause.exitcode)}",
                    err=True)
-    if 2 in codes.values():
+    if 2 in codes.values() or any(errors.values()):
         return 2
     return 128 - cause.exitcode if cause.exitcode < 0 else cause.exitcode
 

@@ -207,3 +207,36 @@ def test_rendezvous_port_in_use_is_one_line(tmp_path, harness):
                               "distributed.nnodes=2", f"distributed.rdzv_endpoint=127.0.0.1:{port}"],
                              timeout=300)
     harness.error(result, f"127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("rank0_code, rank1_code", [(-6, -15), (-15, 2), (3, 2)])
+def test_the_launcher_reports_the_rank_that_printed_an_error(tmp_path, capsys, rank0_code,
+                                                             rank1_code):
+    """However the workers ended (rank 0 aborted by gloo first, or stopped after rank 1 exited),
+    the launcher prints rank 1's own error line once and exits 2."""
+    from types import SimpleNamespace
+
+    from rlpipe.core.launch import _report
+
+    log = tmp_path / "run" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("warning: something\nerror (rank 1): rewards.1 failed in forward\n")
+    failures = {0: SimpleNamespace(local_rank=0, exitcode=rank0_code, timestamp=1.0),
+                1: SimpleNamespace(local_rank=1, exitcode=rank1_code, timestamp=2.0)}
+    assert _report(failures, tmp_path) == 2
+    assert capsys.readouterr().err == "error (rank 1): rewards.1 failed in forward\n"
+
+
+def test_the_launcher_keeps_a_crashing_workers_traceback(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from rlpipe.core.launch import _report
+
+    log = tmp_path / "run" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("Traceback (most recent call last):\nZeroDivisionError: division by zero\n")
+    failures = {1: SimpleNamespace(local_rank=1, exitcode=1, timestamp=1.0),
+                0: SimpleNamespace(local_rank=0, exitcode=-15, timestamp=2.0)}
+    assert _report(failures, tmp_path) == 1
+    err = capsys.readouterr().err
+    assert "ZeroDivisionError" in err and err.endswith("error: worker rank 1 exited with status 1\n")
