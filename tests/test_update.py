@@ -4,7 +4,6 @@ term, which metric stops the epochs, and metrics that do not depend on the micro
 
 import copy
 import dataclasses
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,19 +19,7 @@ from rlpipe.core.pipeline import Pipeline
 from rlpipe.core.update import TrainingDiverged, Updater
 from rlpipe.plugins.losses.ppo import PPOLoss
 
-TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
-
-
-def tiny(run_dir, *overrides):
-    return load_config(TINY, [f"run.output_dir={run_dir}", "run.steps=2", *overrides])
-
-
-def params(module):
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
-
-
-def same(a, b):
-    return all(torch.equal(a[n], b[n]) for n in a)
+from tests.test_trainer import TINY, params, same, tiny  # the tiny-run helpers, shared
 
 
 def test_critic_warmup_leaves_the_actor_unchanged(tmp_path):
