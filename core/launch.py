@@ -11,9 +11,10 @@ that every rank hits is reported once. When a worker fails, the launcher prints 
 own ``error:`` line (unless local rank 0 already printed one) instead of torchrun's page-long
 report, and exits with the worker's status: 2 for a user mistake.
 
->>> torchrun_args(_Cfg(nproc=2), "/tmp/logs")[:2]
+>>> from rlpipe.core.config import DistributedConfig
+>>> torchrun_args(DistributedConfig(nproc=2), "/tmp/logs")[:2]
 ['--standalone', '--nproc-per-node=2']
->>> torchrun_args(_Cfg(nproc=1, nnodes=2, rdzv_endpoint="10.0.0.1:29500"), "/tmp/logs")[:4]
+>>> torchrun_args(DistributedConfig(nnodes=2, rdzv_endpoint="10.0.0.1:29500"), "/tmp/logs")[:4]
 ['--nnodes=2', '--rdzv-backend=c10d', '--rdzv-endpoint=10.0.0.1:29500', '--rdzv-id=rlpipe']
 """
 
@@ -28,22 +29,12 @@ import signal
 import socket
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from rlpipe.core.distributed import LAUNCHER_ENV
 from rlpipe.core.errors import UserError
-
-
-@dataclass
-class _Cfg:  # the fields of DistributedConfig that launching reads (for the doctest)
-    nproc: int = 1
-    nnodes: int = 1
-    rdzv_endpoint: str | None = None
-    rdzv_id: str = "rlpipe"
-    timeout_s: float = 600.0
 
 
 def torchrun_args(d, log_dir: str) -> list[str]:

@@ -272,15 +272,7 @@ class Pipeline:
         self.load_state_dict(state)
         if any(k.startswith("kl.") for k in changes):
             self.kl_ctl.load_state_dict(fresh_kl)
-        t = self.cfg.train
-        lrs = {"actor": t.lr, "critic": t.critic_lr}
-        for name, opt in self.updater.opts.items():
-            sched = self.updater.scheds[name]
-            sched.base_lrs = [lrs[name]] * len(opt.param_groups)
-            for group, factor in zip(opt.param_groups, sched.lr_lambdas):
-                group.update(initial_lr=lrs[name], lr=lrs[name] * factor(sched.last_epoch),
-                             weight_decay=t.weight_decay)
-            sched._last_lr = [group["lr"] for group in opt.param_groups]
+        self.updater.apply_learning_rates(self.cfg.train)
 
     def save_final(self) -> Path:
         """``final/``: a ``save_pretrained`` folder of the policy (LoRA merged into a copy, or the

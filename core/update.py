@@ -212,6 +212,19 @@ class Updater:
                         "train/lr": self.scheds["actor"].get_last_lr()[0]})
         return metrics
 
+    def apply_learning_rates(self, train) -> None:
+        """Set ``train.lr``, ``train.critic_lr`` and ``train.weight_decay`` on loaded optimizers:
+        the schedules keep their position and scale the new base rates (a resume that changed
+        them)."""
+        lrs = {"actor": train.lr, "critic": train.critic_lr}
+        for name, opt in self.opts.items():
+            sched = self.scheds[name]
+            sched.base_lrs = [lrs[name]] * len(opt.param_groups)
+            for group, factor in zip(opt.param_groups, sched.lr_lambdas):
+                group.update(initial_lr=lrs[name], lr=lrs[name] * factor(sched.last_epoch),
+                             weight_decay=train.weight_decay)
+            sched._last_lr = [group["lr"] for group in opt.param_groups]
+
     def state_dict(self, sharded: bool = False) -> dict:
         """Optimizer states keyed by parameter name (a collective under FSDP): full and on CPU,
         or with ``sharded`` each rank's own DTensor shards, for torch.distributed.checkpoint."""
