@@ -19,6 +19,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +31,7 @@ from rlpipe.core.yamlconf import (  # noqa: F401 -- re-exported: the public load
     Converter, Range, _load_yaml, _read_yaml, _set_dotted, build_section, num, parse_overrides,
     read_config_file, rest, rest_field, yaml_key)
 
+DEVICE_ENV = "RLPIPE_DEVICE"  # set: replaces run.device of every config (e.g. the tests on CUDA)
 _Converter = Converter  # the name this class had before it moved to rlpipe.core.yamlconf
 
 
@@ -225,6 +227,9 @@ def load_config(path, overrides=()) -> Config:
     model is built."""
     path = Path(path)
     raw, cli_keys = read_config_file(path, overrides)
+    device = os.environ.get(DEVICE_ENV)
+    if device and "run.device" not in cli_keys and isinstance(raw.get("run", {}), dict):
+        raw.setdefault("run", {})["device"] = device  # the file < RLPIPE_DEVICE < KEY=VALUE
     conv = Converter(path.resolve().parent, cli_keys)
     cfg = conv.section(Config, raw, "")
     check_config(cfg, conv)

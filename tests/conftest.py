@@ -9,10 +9,17 @@ Fixtures (all function-scoped, built in milliseconds, no downloads):
 - ``tiny_tokenizer_no_pad``: the same vocabulary with no pad token at all.
 - ``tiny_model``: seeded random `LlamaForCausalLM` (hidden 32, 2 layers, 4 heads, 2 kv heads,
   intermediate 64, untied head), vocab = ``len(tiny_tokenizer)``, in eval mode.
-- ``ctx``: `RunContext(tokenizer=tiny_tokenizer, actor=tiny_model, max_new_tokens=8)` on CPU.
+- ``ctx``: `RunContext(tokenizer=tiny_tokenizer, actor=tiny_model, max_new_tokens=8)`.
+
+The device switch: ``RLPIPE_TEST_DEVICE=cuda python -m pytest`` puts ``tiny_model`` and ``ctx`` on
+that device and sets ``RLPIPE_DEVICE`` (which replaces ``run.device`` of every config rlpipe
+loads, subprocesses included), so every test that builds models runs them there. Tests marked
+``gpu`` (tests/test_gpu.py) skip where torch sees no CUDA device.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -20,6 +27,24 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rlpipe.core.context import RunContext
+
+TEST_DEVICE = os.environ.get("RLPIPE_TEST_DEVICE", "cpu")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped where there is none")
+    if TEST_DEVICE != "cpu":
+        os.environ["RLPIPE_DEVICE"] = TEST_DEVICE
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu test: torch sees no CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 WORDS = ("the a cat dog sat ran on under mat rug and big small red blue green one two three four "
@@ -68,12 +93,12 @@ def tiny_model(tiny_tokenizer) -> LlamaForCausalLM:
         tie_word_embeddings=False, bos_token_id=tiny_tokenizer.bos_token_id,
         eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id,
     )
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval().to(TEST_DEVICE)
 
 
 @pytest.fixture
 def ctx(tiny_tokenizer, tiny_model) -> RunContext:
-    return RunContext(tokenizer=tiny_tokenizer, actor=tiny_model, device=torch.device("cpu"),
+    return RunContext(tokenizer=tiny_tokenizer, actor=tiny_model, device=torch.device(TEST_DEVICE),
                       max_new_tokens=8)
 
 

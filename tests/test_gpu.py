@@ -1,0 +1,122 @@
+"""GPU-only tests (marked ``gpu``; skipped where torch sees no CUDA device, as on CI).
+
+Run them on a GPU machine with the rest of the suite on CUDA::
+
+    RLPIPE_TEST_DEVICE=cuda python -m pytest            # every test on the GPU
+    python -m pytest -m gpu tests/test_gpu.py           # these alone
+
+They cover what only a GPU shows: offload moving real device memory, bf16 activation
+checkpointing, fused AdamW on CUDA, ``run.device: auto`` choosing CUDA, FSDP2 on NCCL with bf16
+mixed precision, and a run that moves between GPU and CPU through its checkpoints.
+"""
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlpipe.core import build
+from rlpipe.core.config import load_config
+from rlpipe.core.pipeline import Pipeline
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "tiny" / "config.yaml"
+FAST = ["run.steps=1", "train.epochs=1", "data.batch_size=4", "collector.max_new_tokens=8"]
+
+
+def tiny(tmp_path, *overrides):
+    return load_config(TINY, [f"run.output_dir={tmp_path / 'run'}", "run.device=cuda", *FAST,
+                              *overrides])
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_device_auto_picks_cuda(tmp_path):
+    assert build.resolve_device("auto").type == "cuda"
+    pipe = Pipeline(tiny(tmp_path, "run.device=auto"), progress=False)
+    assert next(pipe.models.actor.parameters()).device.type == "cuda"
+    assert next(pipe.models.critic.parameters()).device.type == "cuda"
+
+
+def test_reference_offload_moves_real_memory(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "models.reference.offload=true"), progress=False)
+    ref_bytes = sum(p.numel() * p.element_size() for p in pipe.models.frozen_reference.parameters())
+    torch.cuda.synchronize()
+    idle = torch.cuda.memory_allocated()
+    assert next(pipe.models.frozen_reference.parameters()).device.type == "cpu"
+    with pipe.models.reference() as ref:
+        assert next(ref.parameters()).device.type == "cuda"
+        visiting = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    assert visiting - idle >= ref_bytes            # the weights really were on the GPU
+    assert torch.cuda.memory_allocated() <= idle   # and really left it again
+    pipe.train()                                   # and a step runs with it
+
+
+def test_bf16_activation_checkpointing_trains(tmp_path):
+    run_dir = Pipeline(tiny(tmp_path, "models.actor.dtype=bfloat16",
+                            "models.actor.gradient_checkpointing=true",
+                            "models.critic.gradient_checkpointing=true", "run.steps=2"),
+                       progress=False).train()
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert all(v == v for k, v in row.items() if isinstance(v, float)), row  # no NaN
+
+
+def test_adamw_is_fused_on_cuda():
+    params = [torch.nn.Parameter(torch.randn(4, 4, device="cuda"))]
+    assert build.make_optimizer(params, 1e-3, 0.0).defaults["fused"] is True
+
+
+def test_gpu_run_resumes_on_cpu_and_back(tmp_path):
+    common = ["checkpoint.every=1"]
+    Pipeline(tiny(tmp_path, *common), progress=False).train()                        # step 1: GPU
+    Pipeline(tiny(tmp_path, *common, "run.device=cpu", "run.steps=2"), progress=False,
+             resume=True).train()                                                   # step 2: CPU
+    run_dir = Pipeline(tiny(tmp_path, *common, "run.steps=3"), progress=False,
+                       resume=True).train()                                         # step 3: GPU
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
+    assert (run_dir / "final" / "config.json").is_file()
+
+
+@pytest.fixture
+def nccl_world_of_one():
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=60))
+    torch.cuda.set_device(0)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fsdp2_world_of_one_on_nccl(nccl_world_of_one, tiny_model, bf16):
+    """``fully_shard`` on NCCL gives the unsharded model's loss and gradients (bf16 compute:
+    within bf16 round-off, with fp32 parameters and gradients kept)."""
+    import copy
+
+    from rlpipe.core.distributed import shard
+
+    plain = copy.deepcopy(tiny_model).cuda()
+    sharded = shard(copy.deepcopy(tiny_model).cuda(), bf16=bf16)
+    ids = torch.randint(4, plain.config.vocab_size, (2, 12), device="cuda")
+    loss_plain = plain(input_ids=ids, labels=ids).loss
+    loss_plain.backward()
+    out = sharded(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert out.logits.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    tol = 5e-2 if bf16 else 1e-5
+    torch.testing.assert_close(out.loss.float(), loss_plain, atol=tol, rtol=tol)
+    for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+        grad = p.grad.full_tensor()
+        assert grad.dtype == torch.float32, name
+        torch.testing.assert_close(grad, q.grad, atol=tol, rtol=tol * 10)
