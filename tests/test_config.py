@@ -156,7 +156,7 @@ def test_user_error_is_the_exception_type(cfg_file):
 def test_rlpipe_device_env_replaces_run_device_unless_overridden(monkeypatch):
     """RLPIPE_DEVICE (the test suite's device switch) wins over the file, a KEY=VALUE over it."""
     monkeypatch.setenv("RLPIPE_DEVICE", "auto")
-    assert load_config(TINY).run.device == "auto"                       # the file says cpu
-    assert load_config(TINY, ["run.device=cpu"]).run.device == "cpu"
+    assert load_config(TINY / "config.yaml").run.device == "auto"  # the file says cpu
+    assert load_config(TINY / "config.yaml", ["run.device=cpu"]).run.device == "cpu"
     monkeypatch.delenv("RLPIPE_DEVICE")
-    assert load_config(TINY).run.device == "cpu"
+    assert load_config(TINY / "config.yaml").run.device == "cpu"
