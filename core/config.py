@@ -95,6 +95,7 @@ class DataConfig:
 class KLConfig:
     coef: float = num(0.05, ">= 0")                 # beta, or the adaptive controller's start
     estimator: Literal["k1", "k2", "k3"] = "k1"
+    clamp: float | None = num(10.0, "> 0")          # bound log pi - log pi_ref to +-clamp (null: off)
     in_: Literal["reward", "loss"] = field(default="reward", metadata={"yaml": "in"})
     target: float | None = num(None, "> 0")         # set: adaptive controller (Ziegler et al. 2019)
     horizon: int = num(10000, ">= 1")

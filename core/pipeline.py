@@ -127,7 +127,8 @@ class Pipeline:
         mask, engine_gap = batch[S.RESPONSE_MASK], self._engine_gap(batch)
         # 4. KL shaping: score on the last valid token, -beta * KL on every token (kl.in: reward;
         #    with kl.in: loss beta goes to the loss in stage 6)
-        kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], self.cfg.kl.estimator)
+        kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], self.cfg.kl.estimator,
+                                 self.cfg.kl.clamp)
         kl_tok = kl_tok * mask
         guards.check_kl(batch, kl_tok, self.cfg.kl.estimator)
         coef = self.kl_ctl.value
