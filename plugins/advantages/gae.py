@@ -34,11 +34,13 @@ from rlpipe.core.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE, VALUE_TA
 
 def _row_discount_matrices(discount: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, n, n] matrices ``D[b, k, t] = discount[b] ** (k - t)`` for ``k >= t``, else 0: one
-    `_discount_matrix` per row, computed in float64."""
+    `_discount_matrix` per row, as ``exp(lag * log(discount))`` in float64 (a log clamped at
+    -1e4 makes ``0 ** lag`` exact: 1 at lag 0, else 0)."""
     k = torch.arange(n, dtype=torch.float64, device=discount.device)
-    lag = (k.unsqueeze(1) - k).clamp_min(0)
-    powers = discount.double().view(-1, 1, 1) ** lag
-    return powers.tril().to(dtype)
+    lag = k.unsqueeze(1) - k
+    log_discount = discount.double().log().clamp_min(-1e4).view(-1, 1, 1)
+    powers = torch.exp(lag.clamp_min(0) * log_discount)
+    return torch.where(lag >= 0, powers, 0).to(dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -76,8 +78,8 @@ def discounted_cumsum(x: torch.Tensor, discount: float | torch.Tensor,
     if isinstance(discount, torch.Tensor):  # per row: batched [B, n, n] matrices
         matrix = _row_discount_matrices(discount, block, x.dtype)
         within = x @ matrix
-        heads = (within[..., :1].transpose(1, 2)
-                 @ _row_discount_matrices(discount.double() ** block, blocks, x.dtype)).squeeze(1)
+        heads_matrix = _row_discount_matrices(discount.double() ** block, blocks, x.dtype)
+        heads = (within[..., :1] * heads_matrix).sum(1)  # a [1, n] @ [n, n] product per row
         tail = (matrix[:, -1] * discount.to(x.dtype).unsqueeze(-1)).unsqueeze(1)
     else:
         matrix = _discount_matrix(discount, block, x.dtype, x.device)
