@@ -20,6 +20,7 @@ from rlpipe.core.config import Config, save_config
 from rlpipe.core.config_checks import resolve_plugin
 from rlpipe.core.context import RunContext
 from rlpipe.core.collectors import collector_max_new_tokens
+from rlpipe.core.critic_start import critic_from_reward_model
 from rlpipe.core.errors import UserError
 from rlpipe.core.models import (Models, ValueModel, enable_checkpointing, frozen_copy,
                                 load_causal_lm, load_tokenizer)
@@ -133,9 +134,14 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
     actor = load_causal_lm(actor_cfg.path, actor_cfg.init, actor_cfg.dtype, trust).to(device)
     critic = None
     if need_critic and not critic_cfg.shared_backbone:  # copied before any LoRA touches the actor
-        critic = (ValueModel.from_actor(actor) if critic_cfg.path is None
-                  else ValueModel.from_pretrained(critic_cfg.path, critic_cfg.init,
-                                                   critic_cfg.trust_remote_code))
+        if critic_cfg.path is None:
+            critic = ValueModel.from_actor(actor)
+        elif critic_cfg.from_reward_model:  # backbone and head of the reward model (TRL)
+            critic = critic_from_reward_model(critic_cfg.path, tokenizer,
+                                              critic_cfg.trust_remote_code)
+        else:
+            critic = ValueModel.from_pretrained(critic_cfg.path, critic_cfg.init,
+                                                critic_cfg.trust_remote_code)
         if critic_cfg.lora is not None:
             critic.backbone = apply_lora(critic.backbone, critic_cfg.lora, None)
         critic = critic.to(device).eval()

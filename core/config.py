@@ -70,6 +70,7 @@ class CriticConfig:
     init: Literal["pretrained", "random"] = "pretrained"
     lora: LoraConfig | None = None
     shared_backbone: bool = False  # a value head on the actor's own backbone (combined loss)
+    from_reward_model: bool = False  # path is a reward model: its backbone and score head (TRL)
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False  # allow the folder's own code (auto_map)
 
@@ -97,6 +98,7 @@ class DataConfig:
 class KLConfig:
     coef: float = num(0.05, ">= 0")                 # beta, or the adaptive controller's start
     estimator: Literal["k1", "k2", "k3"] = "k1"
+    clamp: float | None = num(10.0, "> 0")          # bound log pi - log pi_ref to +-clamp (null: off)
     in_: Literal["reward", "loss"] = field(default="reward", metadata={"yaml": "in"})
     target: float | None = num(None, "> 0")         # set: adaptive controller (Ziegler et al. 2019)
     horizon: int = num(10000, ">= 1")
@@ -116,6 +118,8 @@ class TrainConfig:
     warmup_steps: int = num(0, ">= 0")  # linear warmup, in optimizer steps
     target_kl: float | None = num(None, ">= 0")  # stop a step's epochs once policy/approx_kl exceeds it
     critic_warmup_steps: int = num(0, ">= 0")  # the first PPO steps train the critic only
+    critic_warmup_explained_var: float | None = num(None, "<= 1")  # then critic-only until reached
+    critic_warmup_max_steps: int = num(50, ">= 1")  # cap on all critic-only steps (with the above)
     max_bad_steps: int = num(3, ">= 1")  # consecutive non-finite steps before the run stops
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.core import registry
+from rlpipe.core.critic_start import check_critic_start
 from rlpipe.core.errors import UserError
 
 PLUGIN_GROUPS = {"collector": "collectors", "advantage": "advantages", "loss": "losses",
@@ -46,6 +47,7 @@ def check_config(cfg, conv) -> None:
     if cfg.ptx.coef > 0 and cfg.ptx.data is None:
         raise UserError("ptx.data: required when ptx.coef > 0")
     check_rendezvous(cfg.distributed)
+    check_critic_start(cfg)
     check_batches(cfg)
     check_context(cfg)
 

@@ -54,17 +54,22 @@ def check_output(td, plugin, keys: tuple = (), required: tuple = ()):
 
 def check_kl(td, kl_tok: torch.Tensor, estimator: str) -> None:
     """A non-finite per-token KL names its cause: the actor's (``old_log_prob``) or the
-    reference's (``ref_log_prob``) log-probs, or the estimator overflowing on finite ones."""
+    reference's (``ref_log_prob``) log-probs, or the estimator overflowing on finite ones.
+    Non-finite log-probs are an error even where ``kl.clamp`` made their KL finite."""
     mask = td[S.RESPONSE_MASK]
-    n = nonfinite(kl_tok)  # everywhere: core multiplies by the mask, and NaN * 0 is NaN
+    owners = {S.OLD_LOG_PROB: "actor", S.REF_LOG_PROB: "reference"}
+    broken = ~torch.isfinite(kl_tok)  # everywhere: core multiplies by the mask, and NaN * 0 is NaN
+    for key in owners:
+        broken |= ~torch.isfinite(td[key])
+    n = int(broken.sum())
     if not n:
         return
-    owners = {S.OLD_LOG_PROB: "actor", S.REF_LOG_PROB: "reference"}
     bad = [f"{k} ({owners[k]}) at {c}" for k in owners if (c := nonfinite(td[k]))]
     if bad:
         cause = f"non-finite {' and '.join(bad)} positions (weights or logits not finite)"
     else:
-        cause = f"the {estimator} estimator overflowed on finite log-probs (k1 cannot overflow)"
+        cause = (f"the {estimator} estimator overflowed on finite log-probs (k1 cannot "
+                 f"overflow); set kl.clamp (10 bounds the log-ratio to +-10)")
     raise UserError(f"KL to the reference is NaN or inf at {n} of {kl_tok.numel()} token "
                     f"positions ({int(mask.sum())} response tokens): {cause}")
 

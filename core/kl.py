@@ -43,15 +43,27 @@ def estimate(log_ratio: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
 
 
 def kl_per_token(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-                 estimator: str = "k1") -> torch.Tensor:
+                 estimator: str = "k1", clamp: float | None = None) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi: `estimate` of
     ``log_prob - ref_log_prob``; k1 = logp - ref, k2 = (logp - ref)^2 / 2,
     k3 = exp(ref - logp) - (ref - logp) - 1.
 
+    ``clamp`` (``kl.clamp``) bounds the log-ratio to ``[-clamp, clamp]`` before the estimator,
+    so that no estimate and no gradient overflows (k3 at a log-ratio of -100 is
+    ``exp(100)``, inf in float32); log-ratios inside the bounds are left exactly as they are.
+    NaN stays NaN (a broken model is an error, `rlpipe.core.guards.check_kl`).
+
     >>> kl_per_token(torch.tensor([0.0]), torch.tensor([-1.0]), "k2").item()
     0.5
+    >>> kl_per_token(torch.tensor([-100.0]), torch.tensor([0.0]), "k3").item()  # float32: inf
+    inf
+    >>> kl_per_token(torch.tensor([-100.0]), torch.tensor([0.0]), "k3", clamp=10).item()
+    22015.46484375
     """
-    return estimate(log_prob - ref_log_prob, estimator)
+    log_ratio = log_prob - ref_log_prob
+    if clamp is not None:
+        log_ratio = log_ratio.clamp(-clamp, clamp)
+    return estimate(log_ratio, estimator)
 
 
 def split_coef(where: str, coef: float) -> tuple[float, float]:
@@ -68,16 +80,17 @@ def split_coef(where: str, coef: float) -> tuple[float, float]:
 
 def loss_term(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor,
               coef: float | torch.Tensor, num_tokens: torch.Tensor | float,
-              estimator: str = "k1") -> torch.Tensor:
+              estimator: str = "k1", clamp: float | None = None) -> torch.Tensor:
     """The ``kl.in: loss`` term: ``coef * sum of kl_per_token over valid tokens / num_tokens``
     (``num_tokens`` is the minibatch-wide count, so the terms of a minibatch's micro-batches add
-    up to its token mean; a count below 1 counts as 1). Differentiable in ``log_prob``.
+    up to its token mean; a count below 1 counts as 1). Differentiable in ``log_prob``;
+    ``clamp`` as in `kl_per_token` (a clamped token has no gradient).
 
     >>> loss_term(torch.tensor([[0.0, -1.0]]), torch.tensor([[-1.0, 5.0]]),
     ...           torch.tensor([[True, False]]), coef=0.5, num_tokens=1.0, estimator="k2").item()
     0.25
     """
-    kl_sum = torch.where(mask, kl_per_token(log_prob, ref_log_prob, estimator), 0.0).sum()
+    kl_sum = torch.where(mask, kl_per_token(log_prob, ref_log_prob, estimator, clamp), 0.0).sum()
     return coef * kl_sum / torch.as_tensor(num_tokens).clamp(min=1)
 
 

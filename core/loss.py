@@ -58,7 +58,8 @@ class LossContract:
       False with a critic is an error: nothing would train it.
     - ``kl_term``: with ``kl.in: loss`` the loss adds ``loss_kl`` itself when the micro-batch
       carries ``kl_coef`` (`PipelineLoss.kl_penalty`); the trainer first calls
-      ``set_kl_estimator(kl.estimator)``. Default False: the trainer adds `kl.loss_term` itself.
+      ``set_kl_estimator(kl.estimator, kl.clamp)``. Default False: the trainer adds
+      `kl.loss_term` itself.
     - ``approx_kl_metric``: the metric (``"group/name"``) that ``train.target_kl`` compares with;
       default None, and ``train.target_kl`` is then an error.
     - ``metrics``: metric name -> reduction (module docstring); undeclared metrics are "token".
@@ -101,7 +102,7 @@ def contract_of(loss) -> LossContract:
                         f"rlpipe.core.loss.LossContract, got {type(contract).__name__}")
     if contract.kl_term and not callable(registry.declared("losses", loss, "set_kl_estimator")):
         raise UserError(f"{registry.label_of(loss)} declares kl_term but has no "
-                        f"set_kl_estimator(name) (subclass rlpipe.core.loss.PipelineLoss)")
+                        f"set_kl_estimator(name, clamp) (subclass rlpipe.core.loss.PipelineLoss)")
     return contract
 
 
@@ -209,13 +210,14 @@ class PipelineLoss(LossModule):
     adds ``loss_kl = self.kl_penalty(td)`` declares ``kl_term=True``.
 
     >>> loss = PipelineLoss()
-    >>> loss.set_kl_estimator("k3")
-    >>> loss.kl_estimator, loss.contract.kl_term
-    ('k3', False)
+    >>> loss.set_kl_estimator("k3", clamp=10.0)
+    >>> loss.kl_estimator, loss.kl_clamp, loss.contract.kl_term
+    ('k3', 10.0, False)
     """
 
     contract = LossContract()
     kl_estimator = "k1"
+    kl_clamp = None
 
     @dataclass
     class _AcceptedKeys:
@@ -227,12 +229,13 @@ class PipelineLoss(LossModule):
 
     default_keys = _AcceptedKeys
 
-    def set_kl_estimator(self, name: str) -> None:
-        """Use estimator ``name`` (``kl.estimator``: k1, k2, k3) in `kl_penalty`."""
+    def set_kl_estimator(self, name: str, clamp: float | None = None) -> None:
+        """Use estimator ``name`` (``kl.estimator``: k1, k2, k3) and the log-ratio bound
+        ``clamp`` (``kl.clamp``) in `kl_penalty`."""
         if name not in kl.ESTIMATORS:
             raise UserError(f"unknown KL estimator {name!r}; choose one of "
                             f"{', '.join(kl.ESTIMATORS)}")
-        self.kl_estimator = name
+        self.kl_estimator, self.kl_clamp = name, clamp
 
     def kl_penalty(self, td: TensorDictBase) -> torch.Tensor | None:
         """`kl.loss_term` of the micro-batch when it carries ``kl_coef``, else None."""
@@ -243,4 +246,4 @@ class PipelineLoss(LossModule):
         mask = td.get(keys.response_mask)
         return kl.loss_term(td.get(keys.log_prob), td.get(keys.ref_log_prob), mask,
                             coef.reshape(-1)[0], global_count(td, keys.num_tokens, mask.sum()),
-                            self.kl_estimator)
+                            self.kl_estimator, self.kl_clamp)

@@ -29,6 +29,7 @@ from rlpipe.core import build, checkpoint, distributed, guards, kl, registry, ru
 from rlpipe.core.config import Config, save_config
 from rlpipe.core.context import RunContext
 from rlpipe.core.collectors import close_collector, collector_temperature
+from rlpipe.core.critic_start import CriticWarmup
 from rlpipe.core.data import PromptStream, load_prompts
 from rlpipe.core.errors import UserError
 from rlpipe.core.metrics import MetricsWriter, keep_steps, to_float
@@ -78,6 +79,7 @@ class Pipeline:
                        if cfg.kl.target is not None else kl.FixedKLController(cfg.kl.coef))
         self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device,
                                self.dist)
+        self.critic_warmup = CriticWarmup(cfg.train, self.models.critic is not None)
         self.step_count = 0
 
     def _check(self, td: TensorDict, keys, where: str) -> None:
@@ -127,7 +129,8 @@ class Pipeline:
         mask, engine_gap = batch[S.RESPONSE_MASK], self._engine_gap(batch)
         # 4. KL shaping: score on the last valid token, -beta * KL on every token (kl.in: reward;
         #    with kl.in: loss beta goes to the loss in stage 6)
-        kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], self.cfg.kl.estimator)
+        kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], self.cfg.kl.estimator,
+                                 self.cfg.kl.clamp)
         kl_tok = kl_tok * mask
         guards.check_kl(batch, kl_tok, self.cfg.kl.estimator)
         coef = self.kl_ctl.value
@@ -140,8 +143,9 @@ class Pipeline:
         self._check(batch, [S.REWARD, S.ADVANTAGE, S.VALUE_TARGET], "advantage")
         # 6. PPO epochs over minibatches (the critic alone during critic warm-up)
         t1 = time.perf_counter()
-        warmup = self.step_count < self.cfg.train.critic_warmup_steps
+        warmup = self.critic_warmup.active(self.step_count)
         update_metrics = self.updater.update(batch, train_actor=not warmup, kl_coef=loss_coef)
+        self.critic_warmup.observe(update_metrics)
         t_update = time.perf_counter() - t1
         # 7. weight sync: push the updated actor to the generation engine
         registry.call(self.plugins.collector.sync_weights, self.models.actor)
@@ -154,6 +158,7 @@ class Pipeline:
             "reward/score": to_float(batch[S.SCORE]),
             **{f"reward/{k}": to_float(v) for k, v in batch[S.SCORE_PARTS].items()},
             "kl/ref": seq_kl, "kl/coef": coef, **engine_gap, **update_metrics,
+            "train/critic_only": int(warmup),
             "response/length": to_float(mask.sum(-1).float()),
             "response/finished_frac": to_float(batch[S.FINISHED].float()),
             "perf/tokens_per_s": float(mask.sum()) / elapsed,
@@ -177,6 +182,7 @@ class Pipeline:
         rngs = self.dist.gather_object({"torch": torch.get_rng_state(), "python": random.getstate()})
         return {"step": self.step_count, "updater": self.updater.state_dict(sharded),
                 "kl": self.kl_ctl.state_dict(), "rewards": self.plugins.rewards.state_dict(),
+                "critic_warmup": self.critic_warmup.state_dict(),
                 "data": {"generator": p.generator.get_state(), "order": list(p.order),
                          "position": p.position},
                 "rng": rngs}
@@ -189,6 +195,7 @@ class Pipeline:
         self.updater.load_state_dict(state["updater"], bool(state.get("sharded", False)))
         self.kl_ctl.load_state_dict(state["kl"])
         self.plugins.rewards.load_state_dict(state["rewards"])
+        self.critic_warmup.load_state_dict(state.get("critic_warmup", {}))
         data = state["data"]
         self.prompts.generator.set_state(data["generator"])
         self.prompts.order, self.prompts.position = list(data["order"]), int(data["position"])

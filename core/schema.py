@@ -40,7 +40,7 @@ LOG_PROB = "log_prob"            # [b, R] float: log pi_theta(a_t|s_t) under the
 ENTROPY = "entropy"              # [b, R] float: entropy of pi_theta(.|s_t) (grad)
 VALUE_PRED = "value_pred"        # [b, R] float: current critic V(s_t) (grad)
 NUM_TOKENS = "num_tokens"        # [b] float: response tokens in the whole minibatch (all ranks)
-NUM_SEQS = "num_seqs"            # [b] float: sequences in the whole minibatch (all ranks)
+NUM_SEQS = "num_seqs"            # [b] float: non-empty sequences in the whole minibatch (all ranks)
 KL_COEF = "kl_coef"              # [b] float: the KL coefficient, with kl.in: loss only
 
 # Expected (ndim, dtype kind) per key, for `validate`.

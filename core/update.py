@@ -70,7 +70,8 @@ class Updater:
             if not need.kl_term:  # the documented default: the trainer adds the shared term
                 out["loss_kl"] = kl.loss_term(micro[S.LOG_PROB], micro[S.REF_LOG_PROB],
                                               micro[S.RESPONSE_MASK], micro[S.KL_COEF][0],
-                                              micro[S.NUM_TOKENS][0], self.cfg.kl.estimator)
+                                              micro[S.NUM_TOKENS][0], self.cfg.kl.estimator,
+                                              self.cfg.kl.clamp)
             elif "loss_kl" not in terms:
                 raise UserError(f"{registry.label_of(self.loss)} declares kl_term but wrote no "
                                 f"loss_kl with kl.in: loss")
@@ -129,7 +130,7 @@ class Updater:
         n = mb.batch_size[0]
         # global counts / world: FSDP averages the ranks' gradients, we want their sum
         mb[S.NUM_TOKENS] = (mb[S.RESPONSE_MASK].sum().float() / d.world).expand(n)
-        mb[S.NUM_SEQS] = torch.full((n,), n / d.world, device=self.device)
+        mb[S.NUM_SEQS] = (mb[S.RESPONSE_MASK].any(-1).sum().float() / d.world).expand(n)
         if kl_coef:
             mb[S.KL_COEF] = torch.full((n,), kl_coef, device=self.device)
         local = mb[d.rank::d.world]
@@ -261,5 +262,5 @@ def _checked_contract(cfg, models, loss) -> LossContract:
         raise UserError(f"advantage {cfg.advantage.name!r} needs a critic, but {who} declares "
                         f"values=False: nothing would train the critic")
     if declared.kl_term:
-        loss.set_kl_estimator(cfg.kl.estimator)
+        loss.set_kl_estimator(cfg.kl.estimator, cfg.kl.clamp)
     return declared

@@ -78,7 +78,7 @@ def oracle(td, cfg):
         sums = [sum(tok[name] for tok in row) for row in rows]
         if mode == "seq-mean-token-mean":
             sums = [s / len(row) if row else 0.0 for s, row in zip(sums, rows)]
-        return sum(sums) / len(rows)
+        return sum(sums) / max(1, sum(1 for row in rows if row))  # non-empty sequences
 
     def mean(name):
         return sum(tok[name] for tok in tokens) / len(tokens)
@@ -153,7 +153,8 @@ def test_micro_batch_split_invariance(agg):
         leaves = {k: td[k].detach().requires_grad_() for k in [LOG_PROB, VALUE_PRED, ENTROPY]}
         td.update(leaves)
         td[NUM_TOKENS] = torch.full((len(td),), num_tokens, dtype=torch.float64)
-        td[NUM_SEQS] = torch.full((len(td),), float(len(td)), dtype=torch.float64)
+        td[NUM_SEQS] = torch.full((len(td),), float(td[RESPONSE_MASK].any(-1).sum()),
+                                  dtype=torch.float64)
         outs = [loss(micro) for micro in td.split(len(td) // splits)]
         total = sum(loss_sum(out) for out in outs)
         total.backward()

@@ -92,11 +92,12 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str,
                    num_tokens: torch.Tensor | float, num_seqs: torch.Tensor | float):
     """Reduce a [B, R] per-token loss to a scalar over valid tokens: "token-mean" is the sum over
     valid tokens / ``num_tokens``; "seq-mean-token-mean" the sum of per-sequence masked token
-    means / ``num_seqs`` (a zero-length sequence adds 0); "seq-mean-token-sum" the sum of
-    per-sequence token sums / ``num_seqs``. Counts below 1 count as 1.
+    means / ``num_seqs``; "seq-mean-token-sum" the sum of per-sequence token sums / ``num_seqs``.
+    ``num_seqs`` counts the non-empty sequences (as verl and OpenRLHF do): a zero-length response
+    adds 0 and does not dilute the mean. Counts below 1 count as 1.
 
-    >>> mask = torch.tensor([[True, True], [True, False]])
-    >>> loss = torch.tensor([[1.0, 3.0], [5.0, 0.0]])
+    >>> mask = torch.tensor([[True, True], [True, False], [False, False]])
+    >>> loss = torch.tensor([[1.0, 3.0], [5.0, 0.0], [9.0, 9.0]])
     >>> aggregate_loss(loss, mask, "seq-mean-token-mean", num_tokens=3, num_seqs=2).item()
     3.5
     """
@@ -192,7 +193,7 @@ class PPOLoss(PipelineLoss):
         agg = functools.partial(
             aggregate_loss, mask=mask, mode=self.agg,
             num_tokens=global_count(td, keys.num_tokens, mask.sum()),
-            num_seqs=global_count(td, keys.num_seqs, torch.tensor(mask.shape[0])))
+            num_seqs=global_count(td, keys.num_seqs, mask.any(-1).sum()))
         loss, clipped, clipped_lower, log_ratio = ppo_policy_loss(
             td.get(keys.log_prob), td.get(keys.old_log_prob), td.get(keys.advantage),
             clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
