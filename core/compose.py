@@ -55,7 +55,7 @@ class ObjectSpec(ReferenceSpec):
 
     instance: object = field(default=None, compare=False, repr=False)
     factory: object = field(default=None, compare=False, repr=False)
-    kwargs: tuple = ()  # (name, value) pairs
+    kwargs: tuple = field(default=(), compare=False)  # (name, value) pairs for the factory
 
 
 def make(spec: ObjectSpec, ctx, label: str):
@@ -78,23 +78,22 @@ def _plain(value) -> bool:
     return isinstance(value, _PLAIN)
 
 
+def _recordable(values: dict) -> tuple[dict, list[str]]:
+    """``(args, missing)``: the plain values (numbers, strings, lists of them) that YAML records,
+    and the names of the others."""
+    args = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if _plain(v)}
+    return args, [k for k in values if k not in args]
+
+
 def recover_args(instance) -> tuple[dict, list[str]]:
     """``(args, missing)``: constructor arguments read back from same-named attributes holding
-    plain values (numbers, strings, lists of them); the parameters that could not be."""
-    args, missing = {}, []
+    plain values; the parameters that could not be."""
     try:
         params = registry.init_params(type(instance))
     except (TypeError, ValueError):  # a constructor without a readable signature
         return {}, ["(its constructor has no readable signature)"]
-    for name, param in params.items():
-        if param.kind is param.VAR_KEYWORD:
-            continue
-        value = getattr(instance, name, dataclasses.MISSING)
-        if _plain(value):
-            args[name] = list(value) if isinstance(value, tuple) else value
-        else:
-            missing.append(name)
-    return args, missing
+    return _recordable({name: getattr(instance, name, dataclasses.MISSING)
+                        for name, p in params.items() if p.kind is not p.VAR_KEYWORD})
 
 
 def _rebuild_note(name: str, missing: list[str]) -> str:
@@ -126,7 +125,7 @@ def describe_object(group: str, obj, where: str) -> tuple[registry.Plugin, dict]
         shaped = registry.check_shape(spec, func if built else type(func))
     except registry.PluginError as exc:
         raise registry.PluginError(f"{where}: {exc}") from None
-    args, missing = (kwargs, []) if built else recover_args(instance)
+    args, missing = _recordable(kwargs) if built else recover_args(instance)
     spec = dataclasses.replace(spec, note=_rebuild_note(name, missing), instance=instance,
                                factory=shaped if built else None, kwargs=tuple(kwargs.items()))
     return registry.Plugin(spec, instance if instance is not None else shaped), args

@@ -1,7 +1,6 @@
 """Plugins by reference (core/references.py): ``name: module:attr``, a reward ``path`` +
 ``function``, and changing a plugin on the command line (``advantage.name=grpo``)."""
 
-import textwrap
 from pathlib import Path
 
 import pytest
