@@ -12,6 +12,10 @@ def __getattr__(name):  # lazy: `import rlpipe` stays cheap (no torch import) fo
         from rlpipe.core import config
 
         return getattr(config, name)
+    if name == "UserError":  # what the Python API raises for a user mistake (the CLI: exit 2)
+        from rlpipe.core.errors import UserError
+
+        return UserError
     if name in ("train", "Pipeline"):
         from rlpipe.core import pipeline
 

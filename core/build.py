@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rlpipe.core import registry, rundir
+from rlpipe.core import compose, references, registry, rundir
 from rlpipe.core.config import Config, save_config
 from rlpipe.core.config_checks import resolve_plugin
 from rlpipe.core.context import RunContext
@@ -204,7 +204,9 @@ def _make(group: str, section, ctx: RunContext, where: str):
     resolved for ``section``."""
     plugin = resolve_plugin(section, group)
     label = f"{where} ({plugin.spec.label})"
-    return registry.instantiate(plugin.obj, dict(section.args), ctx, label)
+    if isinstance(plugin.spec, compose.ObjectSpec):  # a stage given as a Python object
+        return compose.make(plugin.spec, ctx, label)
+    return registry.instantiate(plugin.obj, references.plugin_args(section), ctx, label)
 
 
 def build_plugins(cfg: Config, ctx: RunContext) -> Plugins:
@@ -220,7 +222,8 @@ def build_plugins(cfg: Config, ctx: RunContext) -> Plugins:
 
 def needs_critic(cfg: Config) -> bool:
     """Critic-free estimators declare ``needs_critic = False``; no critic is built or trained then
-    (the default, True, is in `registry.DECLARED`)."""
+    (the default, True, is in `registry.DECLARED`). Read from the advantage as it runs: the
+    object given to `Pipeline`, or the class its section names."""
     advantage = resolve_plugin(cfg.advantage, "advantages").obj
     return bool(registry.declared("advantages", advantage, "needs_critic"))
 

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import yaml
 
 from rlpipe.core.config_checks import check_config
+from rlpipe.core.hub import ModelPath
 from rlpipe.core.yamlconf import (  # noqa: F401 -- re-exported: the public loading helpers
     Converter, Range, _load_yaml, _read_yaml, _set_dotted, build_section, num, parse_overrides,
     read_config_file, rest, rest_field, yaml_key)
@@ -55,7 +56,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    path: Path                                      # a Hugging Face model folder (config.json, tokenizer)
+    path: ModelPath                                 # a Hugging Face model folder or Hub ID (core/hub.py)
     init: Literal["pretrained", "random"] = "pretrained"  # random: fresh weights from config.json
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     lora: LoraConfig | None = None                  # set: train LoRA adapters (peft); the
@@ -66,7 +67,7 @@ class ModelConfig:
 
 @dataclass
 class CriticConfig:
-    path: Path | None = None   # None: a copy of the actor's backbone; else a model folder
+    path: ModelPath | None = None  # None: a copy of the actor's backbone; else a folder or Hub ID
     init: Literal["pretrained", "random"] = "pretrained"
     lora: LoraConfig | None = None
     shared_backbone: bool = False  # a value head on the actor's own backbone (combined loss)
@@ -176,22 +177,24 @@ class PluginConfig:
 
 @dataclass
 class RewardConfig:
-    name: str
+    name: str | None = None           # a plugin, or module:attr; null with `function`
     weight: float = 1.0
-    label: str | None = None          # metric/score_parts name; defaults to `name`
+    label: str | None = None          # metric/score_parts name; defaults to `name` (the attribute
+                                      # of a module:attr name; `function` for a file)
+    function: str | None = None       # with `path`: a function (or class) of the Python file `path`
     args: dict[str, Any] = rest()     # the plugin's constructor arguments
     resolved = None  # not a field: the `registry.Plugin` that `load_config` found (`resolve_plugin`)
 
     @property
     def key(self) -> str:
-        return self.label or self.name
+        return self.label or (self.name.rsplit(":", 1)[-1] if self.name else self.function)
 
 
 @dataclass
 class Config:
     models: ModelsConfig
     data: DataConfig
-    rewards: list[RewardConfig]
+    rewards: list[RewardConfig] = field(default_factory=list)  # empty: Pipeline(rewards=...) gives them
     run: RunConfig = field(default_factory=RunConfig)
     collector: PluginConfig = field(default_factory=lambda: PluginConfig("hf"))
     advantage: PluginConfig = field(default_factory=lambda: PluginConfig("gae"))
@@ -241,4 +244,8 @@ def load_config(path, overrides=()) -> Config:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """``config.yaml``: a comment recording each stage as it ran (`rlpipe.core.compose`), then
+    the resolved config."""
+    from rlpipe.core.compose import stage_record
+
+    path.write_text(stage_record(cfg) + yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -23,7 +23,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from rlpipe.core import registry
+from rlpipe.core import references, registry
 from rlpipe.core.critic_start import check_critic_start
 from rlpipe.core.errors import UserError
 
@@ -39,9 +39,7 @@ def check_config(cfg, conv) -> None:
         sections = getattr(cfg, key)
         for i, section in enumerate(sections if isinstance(sections, list) else [sections]):
             check_plugin_args(section, f"{key}.{i}" if key == "rewards" else key, group, conv)
-    labels = [r.key for r in cfg.rewards]
-    if not labels:
-        raise UserError("rewards: list at least one reward plugin")
+    labels = [r.key for r in cfg.rewards]  # none: `Pipeline(rewards=...)` must give them
     if len(set(labels)) != len(labels):
         raise UserError(f"rewards: duplicate reward names {labels}; give repeated plugins a `label`")
     if cfg.ptx.coef > 0 and cfg.ptx.data is None:
@@ -57,18 +55,23 @@ def resolve_plugin(section, group: str) -> registry.Plugin:
     (``section.resolved``) and build takes it from there. A section built by hand, or renamed
     since, is resolved now."""
     plugin = section.resolved
-    if plugin is None or (plugin.spec.group, plugin.spec.name) != (group, section.name):
-        plugin = section.resolved = registry.get(group, section.name)
+    if plugin is None or (plugin.spec.group, plugin.spec.name) != (group, references.spec_name(section)):
+        plugin = section.resolved = references.load(section, group)
     return plugin
 
 
 def check_plugin_args(section, key: str, group: str, conv) -> None:
-    """Check a plugin section's arguments against the plugin constructor's signature."""
+    """Check a plugin section's arguments against the plugin constructor's signature (a reward
+    file's ``path`` first becomes absolute, relative to the config file)."""
+    if getattr(section, "function", None) is not None or section.name is None:
+        references.check_reward_file(section, key, conv)
+    elif f"{key}.name" in conv.cli_keys:  # the plugin changed on the command line
+        references.drop_foreign_args(section, key, group, conv.cli_keys)
     plugin = resolve_plugin(section, group)
     spec, params = plugin.spec, registry.init_params(plugin.obj)
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     named = {n: p for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
-    for arg, value in section.args.items():
+    for arg, value in references.plugin_args(section).items():
         if arg not in named and not takes_any:
             raise UserError(f"{key}.{arg}: unknown argument for plugin {spec.label}; "
                             f"accepted: {', '.join(named) or 'none'}")

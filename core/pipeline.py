@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import build, checkpoint, distributed, guards, kl, registry, rundir, schema
+from rlpipe.core import build, checkpoint, compose, distributed, guards, kl, registry, rundir, schema
 from rlpipe.core.config import Config, save_config
 from rlpipe.core.context import RunContext
 from rlpipe.core.collectors import close_collector, collector_temperature
@@ -51,10 +51,13 @@ class Pipeline:
     """Builds everything a run needs from a `Config`; `train()` runs ``run.steps`` PPO steps.
 
     ``resume=True`` (or ``run.resume: auto``) continues from the newest complete checkpoint.
+    ``collector``, ``rewards``, ``advantage``, ``loss``: stage objects that replace the config's
+    sections (`rlpipe.core.compose`).
     """
 
     def __init__(self, cfg: Config, overwrite: bool = False, progress: bool = True,
-                 resume: bool = False):
+                 resume: bool = False, *, collector=None, rewards=None, advantage=None, loss=None):
+        cfg = compose.apply(cfg, collector=collector, rewards=rewards, advantage=advantage, loss=loss)
         self.cfg, self.progress = cfg, progress and cfg.log.progress
         self.resume = resume or cfg.run.resume == "auto"
         build.seed_everything(cfg.run.seed)
@@ -350,6 +353,8 @@ class Pipeline:
         return self.run_dir
 
 
-def train(cfg: Config, overwrite: bool = False, progress: bool = True, resume: bool = False) -> Path:
-    """Train with ``cfg``; returns the run directory (``config.yaml``, ``metrics.jsonl``, ``final/``)."""
-    return Pipeline(cfg, overwrite=overwrite, progress=progress, resume=resume).train()
+def train(cfg: Config, overwrite: bool = False, progress: bool = True, resume: bool = False,
+          **stages) -> Path:
+    """Train with ``cfg``; returns the run directory (``config.yaml``, ``metrics.jsonl``, ``final/``).
+    ``stages``: stage objects, as for `Pipeline`."""
+    return Pipeline(cfg, overwrite=overwrite, progress=progress, resume=resume, **stages).train()

@@ -141,7 +141,14 @@ def _import(spec: PluginSpec):
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - third-party code, sys.exit included, is reported
-        raise PluginError(f"{spec.label}: failed to import {spec.value}: {describe(exc)}") from exc
+        raise PluginError(f"{spec.label}: failed to import {spec.value}: {describe(exc)}"
+                          f"{source_line(exc)}") from exc
+    return check_shape(spec, obj)
+
+
+def check_shape(spec: PluginSpec, obj):
+    """``obj`` as a plugin of ``spec.group``: its shape checked (`PluginError` naming ``spec``), a
+    plain reward function wrapped into a module class (`rlpipe.core.rewards.wrap_reward_function`)."""
     try:
         problem = _CHECKS[spec.group](obj)
     except Exception as exc:  # noqa: BLE001 - e.g. a metaclass that raises on inspection
@@ -153,6 +160,24 @@ def _import(spec: PluginSpec):
 
         obj = wrap_reward_function(obj)
     return obj
+
+
+def source_line(exc: BaseException) -> str:
+    """`` (at FILE:LINE)``: where an import failed (the innermost frame outside importlib, or a
+    SyntaxError's own position); empty when only importlib's frames are left.
+
+    >>> source_line(SyntaxError("invalid syntax", ("my_reward.py", 3, 5, "def f(:")))
+    ' (at my_reward.py:3)'
+    """
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" (at {exc.filename}:{exc.lineno})"
+    import traceback
+
+    core = os.path.dirname(os.path.abspath(__file__))  # rlpipe's own loading frames
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith("<frozen") and "importlib" not in f.filename
+              and os.path.dirname(os.path.abspath(f.filename)) != core]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def resolve(group: str, name: str) -> PluginSpec:
@@ -180,7 +205,12 @@ class Plugin:
 
 def get(group: str, name: str) -> Plugin:
     """The unique plugin ``name`` of ``group``, imported and shape-checked (cached)."""
-    spec = resolve(group, name)
+    return load_spec(resolve(group, name))
+
+
+def load_spec(spec: PluginSpec) -> Plugin:
+    """The plugin an entry point (or a ``module:attr`` reference, `rlpipe.core.references`) names,
+    imported and shape-checked (cached)."""
     return Plugin(spec, _import(spec))
 
 

@@ -22,7 +22,9 @@ from typing import Any, Literal
 
 import yaml
 
+from rlpipe.core import hub
 from rlpipe.core.errors import UserError
+from rlpipe.core.hub import ModelPath
 
 INT64 = (-2**63, 2**63 - 1)
 _NUM = r"-?\d+(?:\.\d+)?"
@@ -118,6 +120,8 @@ class Converter:
         origin, args = typing.get_origin(tp), typing.get_args(tp)
         if tp is Any:
             return value
+        if tp is ModelPath:  # a model folder or a Hugging Face Hub ID
+            return hub.model_path(self, value, key)
         if origin in (typing.Union, types.UnionType):
             if value is None and type(None) in args:
                 return None

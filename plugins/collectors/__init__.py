@@ -1,0 +1,23 @@
+"""Collectors, importable by name to compose in Python (``Pipeline(collector=...)``).
+The same classes are rlpipe's built-in entry points; each is imported on first use.
+
+>>> from rlpipe.plugins.collectors import HFCollector
+>>> HFCollector.__module__
+'rlpipe.plugins.collectors.hf'
+"""
+
+import importlib
+
+_EXPORTS = {
+    "HFCollector": "hf:HFCollector",
+    "VLLMCollector": "vllm:VLLMCollector",
+    "Collector": "base:Collector",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _EXPORTS[name].split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), attr)

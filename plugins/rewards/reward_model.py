@@ -27,6 +27,7 @@ from torch import nn
 
 from rlpipe.core.context import RunContext
 from rlpipe.core.errors import UserError
+from rlpipe.core.hub import ModelPath, find_model
 from rlpipe.core.model_files import check_model_dir, check_weights, loading
 from rlpipe.core.models import load_tokenizer
 from rlpipe.core.rewards import batch_texts
@@ -110,7 +111,7 @@ class RewardModel(nn.Module):
 
     in_keys = [PROMPT_TEXT, RESPONSE_TEXT]
 
-    def __init__(self, path: Path, *, batch_size: int = 16, max_length: int = 512,
+    def __init__(self, path: ModelPath, *, batch_size: int = 16, max_length: int = 512,
                  dtype: Literal["float32", "bfloat16"] = "float32", offload: bool = False,
                  trust_remote_code: bool = False, ctx: RunContext | None = None):
         super().__init__()
@@ -119,7 +120,7 @@ class RewardModel(nn.Module):
                             f"got {batch_size} and {max_length}")
         if dtype not in _DTYPES:
             raise UserError(f"reward_model: dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-        path = Path(path)
+        path = find_model(path, "reward_model: path")  # a folder, or a Hub ID from Python
         if not path.is_dir():
             raise UserError(f"reward_model: model folder not found: {path}")
         self.batch_size, self.max_length = batch_size, max_length

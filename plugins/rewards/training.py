@@ -46,6 +46,7 @@ from rlpipe.core import rundir
 from rlpipe.core.config import LoraConfig, build_section, read_config_file
 from rlpipe.core.data import read_jsonl
 from rlpipe.core.errors import UserError
+from rlpipe.core.hub import ModelPath
 from rlpipe.core.model_files import check_model_dir, check_weights, loading
 from rlpipe.plugins.rewards.reward_model import load_rm_tokenizer, rm_inputs, score_texts
 
@@ -54,7 +55,7 @@ FIELDS = ("prompt", "chosen", "rejected")
 
 @dataclass
 class RMModelConfig:
-    path: Path                                      # a Hugging Face folder: classifier or backbone
+    path: ModelPath                                 # a Hugging Face folder or Hub ID: classifier or backbone
     init: Literal["pretrained", "random"] = "pretrained"  # random: fresh weights from config.json
     lora: LoraConfig | None = None                  # None: full fine-tuning; set: LoRA + trained head
     trust_remote_code: bool = False                 # true: allow a folder's own code (auto_map)
