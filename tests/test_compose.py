@@ -175,7 +175,8 @@ def test_instance_args_that_cannot_be_read_back_are_noted():
     plugin, args = compose.describe_object("advantages", Opaque(), "advantage")
     assert args == {} and "constructor argument(s) width of " in plugin.spec.note
     plugin, args = compose.describe_object("advantages", GAE(gamma=0.9), "advantage")
-    assert args == {"gamma": 0.9, "lmbda": 0.95, "whiten": True} and plugin.spec.note == ""
+    assert args == {"gamma": 0.9, "lmbda": 0.95, "whiten": True, "lmbda_critic": None,
+                    "length_adaptive_alpha": None} and plugin.spec.note == ""
     weights = torch.ones(2)  # a partial's argument that YAML cannot hold: noted, still passed on
     plugin, args = compose.describe_object("advantages", functools.partial(Opaque, width=weights),
                                            "advantage")
