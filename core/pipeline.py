@@ -26,12 +26,12 @@ import torch
 from tensordict import TensorDict
 
 from rlpipe.core import build, checkpoint, distributed, guards, kl, registry, rundir, schema
-from rlpipe.core.health import monitor_for
 from rlpipe.core.config import Config, save_config
 from rlpipe.core.context import RunContext
 from rlpipe.core.collectors import close_collector, collector_temperature
 from rlpipe.core.data import PromptStream, load_prompts
 from rlpipe.core.errors import UserError
+from rlpipe.core.health import monitor_for
 from rlpipe.core.metrics import MetricsWriter, keep_steps, to_float
 from rlpipe.core.models import logprobs_and_values, response_logprobs
 from rlpipe.core.ops import masked_mean

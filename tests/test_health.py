@@ -256,6 +256,10 @@ def test_report_summary_has_a_health_section(tmp_path):
                                                  "train/skipped_minibatches": [0, 3]}))
     text = summary(run)
     assert "health: 1 rule fired\n  nan_skips: steps 2 (train/skipped_minibatches" in text
+    (run / "config.yaml").write_text("health: {ignore: [gone]}\n")  # a rule since uninstalled
+    assert summary(run).endswith("health: not judged (" + str(run / "config.yaml") +
+                                 ": health.ignore: unknown health rule 'gone'; installed: "
+                                 + ", ".join(sorted(BUILTIN)) + ")")
 
 
 THIRD_PARTY = '''

@@ -10,9 +10,10 @@ A third-party rule is a dataclass subclassing `Rule`, registered in its package'
 """
 
 from rlpipe.core.health.base import History, Rule, halves, mean, slope
-from rlpipe.core.health.doctor import Finding, doctor, examine, health_text, load_run
+from rlpipe.core.health.doctor import (Finding, doctor, examine, health_text, load_run,
+                                      report_section)
 from rlpipe.core.health.monitor import Monitor, load_rules, monitor_for
 from rlpipe.core.yamlconf import num
 
 __all__ = ["Finding", "History", "Monitor", "Rule", "doctor", "examine", "halves", "health_text",
-           "load_rules", "load_run", "mean", "monitor_for", "num", "slope"]
+           "load_rules", "load_run", "mean", "monitor_for", "num", "report_section", "slope"]

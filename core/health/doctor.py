@@ -114,6 +114,16 @@ def health_text(findings: list[Finding], report_dir: Path | None = None) -> str:
     return "\n".join(lines)
 
 
+def report_section(run_dir: Path) -> str:
+    """The "health" section of ``rlpipe report``: `health_text`, naming the plots in
+    ``run_dir/report``; a run whose ``health`` settings no longer load says so instead."""
+    try:
+        findings = examine(*load_run(run_dir))
+    except UserError as exc:
+        return f"health: not judged ({exc})"
+    return health_text(findings, Path(run_dir) / "report")
+
+
 def doctor(run_dir: Path) -> tuple[str, int]:
     """``rlpipe doctor``: the text and the exit status (0: no rule fired, 1: some did)."""
     rows, rules = load_run(run_dir)
