@@ -217,6 +217,19 @@ def test_stop_on_stops_after_an_intact_checkpoint_and_resumes(tmp_path, capsys):
     assert "health: truncation at step" not in err  # it fired before the stop, once
 
 
+def test_doctor_on_the_quickstarts_measured_run():
+    """The 16 steps of the quickstart's measured run (examples/quickstart/README.md): the critic
+    stays weak, and the length drift of steps 7-11 shows; nothing else fires."""
+    result = cli("doctor", ROOT / "examples" / "quickstart" / "measured")
+    assert result.exit_code == 1, result.output
+    fired = [line.split(":")[0].strip() for line in result.stdout.splitlines()
+             if line.startswith("  ") and not line.startswith("    ")]
+    assert fired == ["value_not_learning", "reward_hacking_length"], result.stdout
+    assert "value_not_learning: steps 8-16 (value/explained_var" in result.stdout
+    assert "at step 8: value/explained_var -0.298 (mean of steps 4-8) < 0" in result.stdout
+    assert "reward_hacking_length: steps 10-11 " in result.stdout
+
+
 def write_run(path: Path, rows: list[dict]) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
