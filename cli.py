@@ -1,4 +1,4 @@
-"""The ``rlpipe`` command line: run, config, plugins.
+"""The ``rlpipe`` command line: run, config, plugins, train-rm, report, doctor.
 
 A user mistake (bad YAML, unknown key or plugin, missing file) prints one line, ``error: ...``,
 and exits with status 2; ``--debug`` shows the Python traceback instead.
@@ -67,7 +67,7 @@ def run(config_path, overrides, overwrite, no_progress, resume):
     from rlpipe.core import distributed
     from rlpipe.core.build import check_run_dir, finished_message
     from rlpipe.core.config import load_config
-    from rlpipe.core.pipeline import train
+    from rlpipe.core.pipeline import Pipeline
 
     cfg = load_config(config_path, overrides)
     if os.environ.get("RANK", "0") == "0":  # rank 0 alone looks: the others would race its writes
@@ -86,7 +86,8 @@ def run(config_path, overrides, overwrite, no_progress, resume):
                                  ("--resume", resume)) if on]
         sys.exit(launch(["run", config_path, *overrides, *flags], cfg.distributed))
     try:
-        run_dir = train(cfg, overwrite=overwrite, progress=not no_progress, resume=resume)
+        pipeline = Pipeline(cfg, overwrite=overwrite, progress=not no_progress, resume=resume)
+        run_dir = pipeline.train()
     except Exception as exc:
         distributed.shutdown(wait=False)
         lost = distributed.lost_peer(exc)
@@ -100,6 +101,8 @@ def run(config_path, overrides, overwrite, no_progress, resume):
         distributed.shutdown(wait=False)
         raise
     distributed.shutdown()
+    if pipeline.stopped_by is not None:  # the pipeline printed why; the run can be resumed
+        return
     if not distributed.launched() or os.environ.get("RANK") == "0":
         click.echo(f"run finished: {run_dir}  (metrics.jsonl, config.yaml, final/)")
 
@@ -147,6 +150,20 @@ def report(run_dir):
     click.echo(text)
     for path in paths:
         click.echo(path)
+
+
+@main.command()
+@click.argument("run_dir", metavar="RUN_DIR")
+@_user_errors
+def doctor(run_dir):
+    """Check RUN_DIR's metrics against the health rules; exit 1 when one fired, 0 when none did."""
+    from pathlib import Path
+
+    from rlpipe.core.health import doctor as examine_run
+
+    text, status = examine_run(Path(run_dir))
+    click.echo(text)
+    sys.exit(status)
 
 
 @main.command("train-rm")

@@ -163,6 +163,15 @@ class LogConfig:
 
 
 @dataclass
+class HealthConfig:
+    enabled: bool = True              # judge the health rules after every step (rlpipe.core.health)
+    stop_on: list[str] = field(default_factory=list)  # rules that stop the run after a checkpoint
+    ignore: list[str] = field(default_factory=list)   # rules not judged
+    rules: dict[str, Any] = field(default_factory=dict)  # {rule: {param: value}}, e.g. clip_high: {threshold: 0.4}
+    resolved = None  # not a field: the rules `load_config` built (`rlpipe.core.health.load_rules`)
+
+
+@dataclass
 class RewardSettings:
     clip: float | None = num(None, "> 0")  # clip the weighted score to [-clip, clip]
     normalize: bool = False        # running mean/std of the score across steps (checkpointed)
@@ -207,6 +216,7 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     log: LogConfig = field(default_factory=LogConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def to_dict(self) -> dict:
         """Plain nested dict, plugin sections flattened as in the YAML (what ``config.yaml`` holds)."""

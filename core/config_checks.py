@@ -10,7 +10,8 @@ what needs several keys, or a plugin's signature, or the model's ``config.json``
   minibatches of at least (processes x ``train.grad_accum``) samples, and a prompt per process;
 - ``distributed.rdzv_endpoint`` is HOST:PORT, required when ``distributed.nnodes > 1``;
 - the collector's ``max_prompt_tokens + max_new_tokens`` fit the model's context (an unset
-  ``max_prompt_tokens`` is lowered to fit), and so does ``ptx.max_tokens``.
+  ``max_prompt_tokens`` is lowered to fit), and so does ``ptx.max_tokens``;
+- the ``health`` section: installed rule names, each rule's parameters (`rlpipe.core.health`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def check_config(cfg, conv) -> None:
     check_critic_start(cfg)
     check_batches(cfg)
     check_context(cfg)
+    from rlpipe.core.health import load_rules  # rule names and parameters, kept for the run
+
+    cfg.health.resolved = load_rules(cfg.health, conv)
 
 
 def resolve_plugin(section, group: str) -> registry.Plugin:

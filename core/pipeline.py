@@ -32,6 +32,7 @@ from rlpipe.core.collectors import close_collector, collector_temperature
 from rlpipe.core.critic_start import CriticWarmup
 from rlpipe.core.data import PromptStream, load_prompts
 from rlpipe.core.errors import UserError
+from rlpipe.core.health import monitor_for
 from rlpipe.core.metrics import MetricsWriter, keep_steps, to_float
 from rlpipe.core.models import logprobs_and_values, response_logprobs
 from rlpipe.core.ops import masked_mean
@@ -84,6 +85,7 @@ class Pipeline:
                                self.dist)
         self.critic_warmup = CriticWarmup(cfg.train, self.models.critic is not None)
         self.step_count = 0
+        self.stopped_by: str | None = None  # the health rule (health.stop_on) that stopped train()
 
     def _check(self, td: TensorDict, keys, where: str) -> None:
         if self.cfg.run.debug:
@@ -322,7 +324,9 @@ class Pipeline:
 
     def train(self) -> Path:
         """Run the remaining steps, append metrics (rank 0), checkpoint, save the final policy.
-        Resuming a run whose ``final/`` is at ``run.steps`` already says so and trains nothing."""
+        Resuming a run whose ``final/`` is at ``run.steps`` already says so and trains nothing.
+        A health rule in ``health.stop_on`` that fires stops the run after a checkpoint, without
+        ``final/`` (`stopped_by` names it)."""
         cfg, log = self.cfg, self.cfg.log
         if self.resume:
             done = build.finished_message(cfg, resume=True)
@@ -336,21 +340,44 @@ class Pipeline:
                                 wandb=log.wandb, wandb_project=log.wandb_project,
                                 run_name=self.run_dir.name)
                   if self.dist.is_main else contextlib.nullcontext())
+        health = monitor_for(cfg.health, metrics_path if self.resume and self.dist.is_main else None,
+                             echo=self.dist.is_main)
         with writer:
-            while self.step_count < cfg.run.steps:
+            while self.step_count < cfg.run.steps and self.stopped_by is None:
                 _, metrics = self.step()
+                row = {"step": self.step_count, **metrics}
                 if self.dist.is_main:
+                    health.observe(row)  # adds health/<rule> = 1 for the rules that hold
                     try:
-                        writer.write({"step": self.step_count, **metrics})
+                        writer.write(row)
                     except OSError as exc:
                         raise UserError(f"cannot write {metrics_path} ({exc}); continue with "
                                         f"--resume once there is space") from exc
+                self.stopped_by = self._health_stop(health)
                 every = cfg.checkpoint.every
-                if every and (self.step_count % every == 0 or self.step_count == cfg.run.steps):
+                if self.stopped_by or (every and (self.step_count % every == 0
+                                                  or self.step_count == cfg.run.steps)):
                     self.save_checkpoint()
-        self.save_final()
+        if self.stopped_by is None:
+            self.save_final()
+        elif self.dist.is_main:
+            print(f"health: run stopped after step {self.step_count}: {self.stopped_by} is in "
+                  f"health.stop_on; checkpoint {checkpoint.latest(self.run_dir)} written, no "
+                  f"final/; change the settings and continue with --resume", file=sys.stderr)
         close_collector(self.plugins.collector)  # e.g. stop a vLLM engine
         return self.run_dir
+
+    def _health_stop(self, health) -> str | None:
+        """The ``health.stop_on`` rule that fired on rank 0 (its monitor judges), agreed by every
+        rank; None to go on."""
+        if not self.cfg.health.stop_on:
+            return None
+        stop = health.stop if self.dist.is_main else None
+        if self.dist.enabled:  # one small collective per step, only with stop_on set
+            names = sorted(self.cfg.health.stop_on)
+            votes = self.dist.mean({n: float(n == stop) for n in names})
+            stop = next((n for n in names if votes[n] > 0), None)
+        return stop
 
 
 def train(cfg: Config, overwrite: bool = False, progress: bool = True, resume: bool = False,

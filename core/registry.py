@@ -36,7 +36,7 @@ from torch import nn
 
 from rlpipe.core.errors import UserError, describe
 
-GROUPS = ("collectors", "rewards", "advantages", "losses")
+GROUPS = ("collectors", "rewards", "advantages", "losses", "health")
 BUILTIN_DIST = "rlpipe"
 DISABLE_ENV = "RLPIPE_DISABLE_PLUGIN_AUTOLOAD"
 
@@ -127,8 +127,18 @@ def _check_loss(obj):
     return None
 
 
+def _check_health_rule(obj):
+    import dataclasses
+
+    from rlpipe.core.health.base import Rule
+
+    if not (inspect.isclass(obj) and issubclass(obj, Rule) and dataclasses.is_dataclass(obj)):
+        return f"expected a dataclass subclassing rlpipe.core.health.Rule, got {obj!r}"
+    return None
+
+
 _CHECKS = {"collectors": _check_collector, "rewards": _check_reward,
-           "advantages": _check_module_class, "losses": _check_loss}
+           "advantages": _check_module_class, "losses": _check_loss, "health": _check_health_rule}
 
 
 @functools.lru_cache(maxsize=None)

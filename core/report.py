@@ -225,4 +225,7 @@ def summary(run_dir: Path) -> str:
     if times := _finite(rows, "time/step_s"):
         total = sum(v for _, v in times)
         lines.append(f"time               {total:.1f} s ({total / 60:.1f} min) over {len(times)} steps")
+    from rlpipe.core.health import report_section
+
+    lines.append(report_section(run_dir))  # the health rules that fired (rlpipe.core.health)
     return "\n".join(lines)
