@@ -95,8 +95,9 @@ def diagnostics(old_log_prob: torch.Tensor, engine_log_prob: torch.Tensor, mask:
     >>> [round(d[f"rollout/{k}"], 4) for k in ("is_weight_mean", "is_weight_max", "ess")]
     [1.5, 2.0, 0.9]
     """
-    log_w = log_weights(old_log_prob, engine_log_prob, mask, level)
-    w = torch.exp(_units(log_w, mask, level).clamp(-_MAX_LOG, _MAX_LOG))
+    units = _units(log_weights(old_log_prob, engine_log_prob, mask, level), mask, level)
+    w = torch.exp(units.clamp(-_MAX_LOG, _MAX_LOG))
+    scaled = torch.exp(units - units.max()) if units.numel() else units  # ESS without overflow
     n = max(w.numel(), 1)
     token_log_w = log_weights(old_log_prob, engine_log_prob, mask)[mask].clamp(-_MAX_LOG, _MAX_LOG)
     mismatch = kl.estimate(-token_log_w, "k3")  # log π_engine - log π_old at engine samples
@@ -105,7 +106,7 @@ def diagnostics(old_log_prob: torch.Tensor, engine_log_prob: torch.Tensor, mask:
         masked = float(((weights == 0) & mask).sum()) / max(int(mask.sum()), 1)
     return {"rollout/is_weight_mean": float(w.sum()) / n,
             "rollout/is_weight_max": float(w.max()) if w.numel() else 0.0,
-            "rollout/ess": float(w.sum() ** 2 / (n * (w * w).sum())) if w.numel() else 1.0,
+            "rollout/ess": float(scaled.sum() ** 2 / (n * (scaled * scaled).sum())) if w.numel() else 1.0,
             "rollout/mismatch_kl": float(mismatch.sum()) / max(mismatch.numel(), 1),
             "rollout/masked_frac": masked}
 
