@@ -194,7 +194,8 @@ def test_every_mode_is_plain_ppo_when_the_engine_is_the_actor(tmp_path, temperat
     runs = {}
     for mode in ("none", "tis", "mis", "bypass"):
         cfg = tiny(tmp_path / mode, "run.steps=2", f"rollout_correction.mode={mode}",
-                   f"collector.temperature={temperature}", "data.batch_size=4")
+                   f"collector.temperature={temperature}", "data.batch_size=4",
+                   "collector.max_new_tokens=8", "train.epochs=1")
         from rlpipe.core.pipeline import train
 
         runs[mode] = read_metrics(train(cfg, progress=False))
