@@ -1,7 +1,7 @@
 """Cost of ``rollout_correction.mode: bypass`` against the trainer's recompute (``none``), and of
 the mismatch preflight, on the CPU benchmark model (benchmarks/common.py ``small``).
 
-    python benchmarks/rollout_correction.py [--reps 3] [--batch 16] [--new-tokens 64]
+    python benchmarks/rollout_correction.py [--reps 3] [--batch 16] [--new-tokens 64] [--epochs 1]
 
 Two pipelines from the same config and weights, one per mode; each rep times, alternating which
 goes first: the scoring stage (`Pipeline._score_tokens` on one collected batch: actor + reference
@@ -33,12 +33,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     folder = make_assets(workdir(), "small")
     pipes = {}
     for mode in ("none", "bypass"):
-        cfg = make_config(folder, batch=args.batch, new_tokens=args.new_tokens)
+        cfg = make_config(folder, batch=args.batch, new_tokens=args.new_tokens, epochs=args.epochs)
         cfg.rollout_correction.mode = mode
         cfg.run.output_dir = str(folder / f"run_{mode}")
         pipes[mode] = build_pipeline(cfg)
@@ -57,12 +58,14 @@ def main() -> None:
         flight = timed(lambda: preflight.check(pipes["none"], echo=lambda line: None))
         if rep:
             times["preflight_s"].append(flight)
+        print(f"rep {rep}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in times.items() if v),
+              flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratios = {"bypass_vs_recompute_score": med["bypass/score_s"] / med["none/score_s"],
               "bypass_vs_recompute_step": med["bypass/step_s"] / med["none/step_s"],
               "preflight_vs_step": med["preflight_s"] / med["none/step_s"]}
     info = {**machine(), "load": os.getloadavg(), "batch": args.batch,
-            "new_tokens": args.new_tokens, "reps": args.reps}
+            "new_tokens": args.new_tokens, "epochs": args.epochs, "reps": args.reps}
     print_header("rollout correction: bypass vs recompute, preflight", info)
     for k, v in med.items():
         print(f"{k:24s} {v:8.3f} s")
