@@ -1,4 +1,4 @@
-"""The ``rlpipe`` command line: run, config, plugins, train-rm, report, doctor.
+"""The ``rlpipe`` command line: run, config, check, plugins, train-rm, report, doctor.
 
 A user mistake (bad YAML, unknown key or plugin, missing file) prints one line, ``error: ...``,
 and exits with status 2; ``--debug`` shows the Python traceback instead.
@@ -118,6 +118,25 @@ def config_cmd(config_path, overrides):
     from rlpipe.core.config import load_config
 
     click.echo(yaml.safe_dump(load_config(config_path, overrides).to_dict(), sort_keys=False), nl=False)
+
+
+@main.command()
+@_config_arg
+@_overrides_arg
+@_user_errors
+def check(config_path, overrides):
+    """Mismatch preflight: build CONFIG's run, sample one batch, compare the engine's log-probs
+    with the trainer's. Exit status 1 when they differ beyond run.preflight_max_kl or
+    run.preflight_max_gap, 2 for a bad config (as every command)."""
+    from rlpipe.core.config import load_config
+    from rlpipe.core.preflight import PreflightFailed, check_config
+
+    cfg = load_config(config_path, overrides)
+    try:
+        check_config(cfg, echo=click.echo)
+    except PreflightFailed as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
 
 
 @main.command()

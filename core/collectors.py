@@ -9,6 +9,9 @@ A collector (group ``rlpipe.collectors``) is a class with ``collect(prompts) -> 
 - ``max_new_tokens``: the response budget, handed to the other plugins as
   ``ctx.max_new_tokens``. An integer >= 0; default 0 (unknown).
 - ``close()``: release the engine at the end of a run; default: nothing to release.
+- ``score_truncated``, ``top_k``, ``top_p``: with ``score_truncated`` true (default false) and
+  sampling truncated (``top_k > 0`` or ``top_p < 1``, temperature > 0), the trainer scores
+  tokens under the same renormalised distribution (`rlpipe.core.truncation`). Defaults 0, 1.0.
 
 `rlpipe.plugins.collectors.base.Collector` declares all three; a collector that does not subclass
 it gets the defaults listed in `rlpipe.core.registry.DECLARED`. A value of the wrong kind, or an error raised while reading it
@@ -19,6 +22,8 @@ it gets the defaults listed in `rlpipe.core.registry.DECLARED`. A value of the w
 ...     def sync_weights(self, model): ...
 >>> collector_temperature(Bare()), collector_max_new_tokens(Bare()), close_collector(Bare())
 (1.0, 0, None)
+>>> collector_truncation(Bare()) is None
+True
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import math
 
 from rlpipe.core import registry
 from rlpipe.core.errors import UserError
+from rlpipe.core.truncation import Truncation
 
 def _attribute(collector, name: str, convert=lambda value: value):
     """``convert(collector.name)``, or of its default; what a property or the conversion raises is
@@ -57,3 +63,16 @@ def close_collector(collector) -> None:
     close = _attribute(collector, "close")
     if callable(close):
         registry.call(close)
+
+
+def collector_truncation(collector) -> Truncation | None:
+    """The sampler's `Truncation` when the collector asks the trainer to score under it
+    (``score_truncated``) and sampling is truncated; else None (plain log-softmax)."""
+    if not _attribute(collector, "score_truncated", bool):
+        return None
+    top_k, top_p = _attribute(collector, "top_k", int), _attribute(collector, "top_p", float)
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise UserError(f"{registry.label_of(collector)}: top_k must be >= 0 and top_p in (0, 1], "
+                        f"got {top_k!r}, {top_p!r}")
+    truncation = Truncation(top_k, top_p)
+    return truncation if truncation.active and collector_temperature(collector) > 0 else None

@@ -44,6 +44,9 @@ class RunConfig:
     device: str = "auto"             # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     debug: bool = False              # validate the batch at every stage boundary
     resume: Literal["never", "auto"] = "never"   # auto: continue from the newest checkpoint
+    preflight: bool = False          # before step 1: one batch, engine vs trainer log-probs (rlpipe check)
+    preflight_max_kl: float = num(0.01, "> 0")   # fail above this per-token KL(engine || trainer)
+    preflight_max_gap: float = num(0.1, "> 0")   # ... or above this mean |engine - trainer log-prob|
 
 
 @dataclass
@@ -103,6 +106,16 @@ class KLConfig:
     in_: Literal["reward", "loss"] = field(default="reward", metadata={"yaml": "in"})
     target: float | None = num(None, "> 0")         # set: adaptive controller (Ziegler et al. 2019)
     horizon: int = num(10000, ">= 1")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Engine/trainer mismatch correction (rlpipe.core.rollout_correction). A section of its own,
+    not loss arguments: it changes what the pipeline computes (bypass skips a forward) and any
+    loss that declares LossContract.rollout_weights applies it."""
+    mode: Literal["none", "tis", "mis", "bypass"] = "none"
+    level: Literal["token", "sequence"] = "token"   # weight per token, or per sequence (product)
+    threshold: float = num(2.0, ">= 1")   # C: tis truncates at C, mis keeps [1/C, C]
 
 
 @dataclass
@@ -210,6 +223,7 @@ class Config:
     loss: PluginConfig = field(default_factory=lambda: PluginConfig("ppo"))
     reward: RewardSettings = field(default_factory=RewardSettings)
     kl: KLConfig = field(default_factory=KLConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ptx: PtxConfig = field(default_factory=PtxConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -12,6 +12,8 @@ what needs several keys, or a plugin's signature, or the model's ``config.json``
 - the collector's ``max_prompt_tokens + max_new_tokens`` fit the model's context (an unset
   ``max_prompt_tokens`` is lowered to fit), and so does ``ptx.max_tokens``;
 - the ``health`` section: installed rule names, each rule's parameters (`rlpipe.core.health`).
+- a ``rollout_correction.mode`` other than none, with top-k / top-p sampling, needs
+  ``collector.score_truncated: true`` (else every weight carries the truncation's bias).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def check_config(cfg, conv) -> None:
     check_critic_start(cfg)
     check_batches(cfg)
     check_context(cfg)
+    check_rollout_correction(cfg)
     from rlpipe.core.health import load_rules  # rule names and parameters, kept for the run
 
     cfg.health.resolved = load_rules(cfg.health, conv)
@@ -187,3 +190,19 @@ def check_context(cfg) -> None:
     if cfg.ptx.coef > 0 and actor is not None and cfg.ptx.max_tokens > actor[0]:
         raise UserError(f"ptx.max_tokens: {cfg.ptx.max_tokens} exceeds the actor model's context "
                         f"of {actor[0]} tokens ({actor[1]})")
+
+
+def check_rollout_correction(cfg) -> None:
+    """Weights against truncated engine log-probs need the trainer to score truncated too."""
+    mode = cfg.rollout_correction.mode
+    temperature, _ = collector_arg(cfg, "temperature")
+    top_k, _ = collector_arg(cfg, "top_k")
+    top_p, _ = collector_arg(cfg, "top_p")
+    truncated = (isinstance(top_k, int) and top_k > 0) or (isinstance(top_p, float) and top_p < 1)
+    sampled = not isinstance(temperature, (int, float)) or temperature > 0
+    scored, _ = collector_arg(cfg, "score_truncated")
+    if mode != "none" and truncated and sampled and scored is not True:
+        raise UserError(f"rollout_correction.mode: {mode} compares the trainer's log-probs with the "
+                        f"engine's, which come from the top-k/top-p truncated distribution "
+                        f"(collector.top_k={top_k}, collector.top_p={top_p}); set "
+                        f"collector.score_truncated: true")

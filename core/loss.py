@@ -63,6 +63,9 @@ class LossContract:
     - ``approx_kl_metric``: the metric (``"group/name"``) that ``train.target_kl`` compares with;
       default None, and ``train.target_kl`` is then an error.
     - ``metrics``: metric name -> reduction (module docstring); undeclared metrics are "token".
+    - ``rollout_weights``: the loss multiplies each token's policy-gradient term by
+      ``rollout_is_weight`` when the micro-batch carries it (``rollout_correction.mode`` tis or
+      mis, `rlpipe.core.rollout_correction`). Default False: those modes are then an error.
 
     >>> LossContract(entropy="maybe")
     Traceback (most recent call last):
@@ -75,6 +78,7 @@ class LossContract:
     kl_term: bool = False
     approx_kl_metric: str | None = None
     metrics: Mapping[str, str] = field(default_factory=dict)
+    rollout_weights: bool = False
 
     def __post_init__(self):
         if self.entropy not in ENTROPY_MODES:

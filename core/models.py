@@ -208,18 +208,22 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                       temperature: float = 1.0, with_entropy: bool = False,
-                      entropy_grad: bool = True):
+                      entropy_grad: bool = True, truncation=None):
     """log pi(a_t|s_t) for each response token, [B, R] float32 (0 on padding), and optionally
     the per-token entropy (without a graph when ``entropy_grad`` is False: a metric only, which
     spares autograd a saved [B, R, vocab] tensor). Temperature 0 (greedy) scores with
-    temperature 1."""
+    temperature 1. ``truncation`` (a `rlpipe.core.truncation.Truncation`): score under the
+    sampler's top-k / top-p distribution, renormalised (the entropy stays the full one's)."""
     ids, mask, pos = _joined(prompt_ids, prompt_mask, response_ids, response_mask)
     R = response_ids.shape[1]
     kwargs = {"logits_to_keep": R + 1} if _accepts_logits_to_keep(model) else {}
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
                    **kwargs).logits
     logits = logits[:, -(R + 1):-1].float() / (temperature if temperature > 0 else 1.0)
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+    if truncation is not None:
+        logp = truncation.log_prob(logits, response_ids)
+    else:
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
     logp = logp * response_mask
     entropy = None
     if with_entropy:
@@ -237,11 +241,12 @@ def response_values(critic: ValueModel, prompt_ids, prompt_mask, response_ids, r
 
 
 def logprobs_and_values(actor, critic: ValueModel | None, inputs: list, temperature: float = 1.0,
-                        with_entropy: bool = False, entropy_grad: bool = True):
+                        with_entropy: bool = False, entropy_grad: bool = True, truncation=None):
     """``(log_prob, entropy, value)`` of `response_logprobs` and `response_values` (value None
     without a critic). A critic on the actor's own backbone costs no second pass: its values are
     read from the backbone output of the actor's forward (a forward hook)."""
-    kwargs = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    kwargs = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                  truncation=truncation)
     if critic is None or not critic.shared:
         logp, entropy = response_logprobs(actor, *inputs, **kwargs)
         return logp, entropy, None if critic is None else response_values(critic, *inputs)

@@ -25,16 +25,18 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import build, checkpoint, compose, distributed, guards, kl, registry, rundir, schema
+from rlpipe.core import (build, checkpoint, compose, distributed, guards, kl, preflight, registry,
+                         rundir, schema)
+from rlpipe.core import rollout_correction as correction
 from rlpipe.core.config import Config, save_config
 from rlpipe.core.context import RunContext
-from rlpipe.core.collectors import close_collector, collector_temperature
+from rlpipe.core.collectors import close_collector, collector_temperature, collector_truncation
 from rlpipe.core.critic_start import CriticWarmup
 from rlpipe.core.data import PromptStream, load_prompts
 from rlpipe.core.errors import UserError
 from rlpipe.core.health import monitor_for
 from rlpipe.core.metrics import MetricsWriter, keep_steps, to_float
-from rlpipe.core.models import logprobs_and_values, response_logprobs
+from rlpipe.core.models import logprobs_and_values, response_logprobs, response_values
 from rlpipe.core.ops import masked_mean
 from rlpipe.core.update import Updater
 
@@ -77,12 +79,13 @@ class Pipeline:
                               device=self.device, seed=cfg.run.seed, run_dir=self.run_dir)
         self.plugins = build.build_plugins(cfg, self.ctx)
         self.temperature = collector_temperature(self.plugins.collector)
+        self.truncation = collector_truncation(self.plugins.collector)  # score_truncated
         self.prompts = PromptStream(load_prompts(cfg.data.prompts), cfg.data.batch_size,
                                     cfg.data.shuffle, cfg.run.seed)
         self.kl_ctl = (kl.AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
                        if cfg.kl.target is not None else kl.FixedKLController(cfg.kl.coef))
         self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device,
-                               self.dist)
+                               self.dist, self.truncation)
         self.critic_warmup = CriticWarmup(cfg.train, self.models.critic is not None)
         self.step_count = 0
         self.stopped_by: str | None = None  # the health rule (health.stop_on) that stopped train()
@@ -93,22 +96,28 @@ class Pipeline:
 
     @torch.no_grad()
     def _score_tokens(self, td: TensorDict) -> None:
-        """old_log_prob, ref_log_prob and value for every response token, in micro-batches."""
+        """old_log_prob, ref_log_prob and value for every response token, in micro-batches.
+        With ``rollout_correction.mode: bypass`` old_log_prob is the engine's: no actor forward."""
         m = self.models
         chunks = [[c[k] for k in _INPUTS] for c in td.split(self.cfg.train.forward_batch_size)]
-        outs = [logprobs_and_values(m.actor, m.critic, c, self.temperature) for c in chunks]
-        td[S.OLD_LOG_PROB] = torch.cat([logp for logp, _, _ in outs])
-        td[S.VALUE] = (torch.cat([values for _, _, values in outs]) if m.critic is not None
-                       else torch.zeros_like(td[S.OLD_LOG_PROB]))
+        if self.cfg.rollout_correction.mode == "bypass":
+            td[S.OLD_LOG_PROB] = td[S.ENGINE_LOG_PROB].float() * td[S.RESPONSE_MASK]
+            values = [response_values(m.critic, *c) for c in chunks] if m.critic is not None else []
+        else:
+            outs = [logprobs_and_values(m.actor, m.critic, c, self.temperature,
+                                        truncation=self.truncation) for c in chunks]
+            td[S.OLD_LOG_PROB] = torch.cat([logp for logp, _, _ in outs])
+            values = [v for _, _, v in outs] if m.critic is not None else []
+        td[S.VALUE] = torch.cat(values) if values else torch.zeros_like(td[S.OLD_LOG_PROB])
         with m.reference() as reference:  # one visit of an offloaded reference per step
             td[S.REF_LOG_PROB] = torch.cat([response_logprobs(reference, *c, self.temperature)[0]
                                             for c in chunks])
 
-    @staticmethod
-    def _engine_gap(batch: TensorDict) -> dict:
+    def _engine_gap(self, batch: TensorDict) -> dict:
         """Mean |engine log-prob - trainer log-prob| over response tokens, when the collector
-        reports engine log-probs: the canary for stale or wrongly synced weights."""
-        if S.ENGINE_LOG_PROB not in batch.keys():
+        reports engine log-probs (not with bypass: no trainer log-probs): the canary for stale
+        or wrongly synced weights."""
+        if S.ENGINE_LOG_PROB not in batch.keys() or self.cfg.rollout_correction.mode == "bypass":
             return {}
         gap = (batch[S.ENGINE_LOG_PROB] - batch[S.OLD_LOG_PROB]).abs()
         return {"collector/logprob_gap": to_float(masked_mean(gap, batch[S.RESPONSE_MASK]))}
@@ -124,6 +133,7 @@ class Pipeline:
                                     required=(*_INPUTS, S.GROUP_ID, S.FINISHED))
         batch = batch.to(self.device)
         self._check(batch, [*_INPUTS, S.GROUP_ID, S.FINISHED], "collector")
+        correction.require_engine_log_prob(batch, self.cfg.rollout_correction.mode, collector)
         t_rollout = time.perf_counter() - t0
         # 2. log-probs of the sampling policy and the reference, values of the critic
         self._score_tokens(batch)
@@ -132,6 +142,8 @@ class Pipeline:
         self._check(batch, [S.OLD_LOG_PROB, S.REF_LOG_PROB, S.VALUE, S.SCORE], "rewards")
         batch = self.dist.gather(batch)  # every rank now holds the whole scored rollout
         mask, engine_gap = batch[S.RESPONSE_MASK], self._engine_gap(batch)
+        # rollout correction: weights pi_old / pi_engine for the loss (tis, mis), rollout/* metrics
+        rollout_metrics = correction.apply(batch, self.cfg.rollout_correction)
         # 4. KL shaping: score on the last valid token, -beta * KL on every token (kl.in: reward;
         #    with kl.in: loss beta goes to the loss in stage 6)
         kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], self.cfg.kl.estimator,
@@ -162,7 +174,7 @@ class Pipeline:
         metrics = {
             "reward/score": to_float(batch[S.SCORE]),
             **{f"reward/{k}": to_float(v) for k, v in batch[S.SCORE_PARTS].items()},
-            "kl/ref": seq_kl, "kl/coef": coef, **engine_gap, **update_metrics,
+            "kl/ref": seq_kl, "kl/coef": coef, **engine_gap, **rollout_metrics, **update_metrics,
             "train/critic_only": int(warmup),
             "response/length": to_float(mask.sum(-1).float()),
             "response/finished_frac": to_float(batch[S.FINISHED].float()),
@@ -334,6 +346,8 @@ class Pipeline:
                 print(done)
                 return self.run_dir
             self._restore()
+        if cfg.run.preflight and self.step_count < cfg.run.steps:
+            preflight.check(self)  # one batch: the engine's log-probs against the trainer's
         metrics_path = self.run_dir / "metrics.jsonl"
         writer = (MetricsWriter(metrics_path, cfg.run.steps, self.progress,
                                 initial=self.step_count, tensorboard=log.tensorboard,

@@ -34,6 +34,8 @@ SCORE_PARTS = "score_parts"      # ("score_parts", NAME) [B] float: each compone
 REWARD = "reward"                # [B, R] float: score on the last valid token, -beta*KL per token
 ADVANTAGE = "advantage"          # [B, R] float: 0 on padding
 VALUE_TARGET = "value_target"    # [B, R] float: return target for the critic
+ROLLOUT_IS_WEIGHT = "rollout_is_weight"  # [B, R] float, tis/mis only: weight of each token's
+                                 # policy-gradient term (rlpipe.core.rollout_correction), 0 on padding
 
 # Written by the trainer into each PPO micro-batch, read by loss plugins.
 LOG_PROB = "log_prob"            # [b, R] float: log pi_theta(a_t|s_t) under the current weights (grad)
@@ -50,11 +52,12 @@ _SPEC = {
     GROUP_ID: (1, "int"), FINISHED: (1, "bool"), ENGINE_LOG_PROB: (2, "float"),
     OLD_LOG_PROB: (2, "float"), REF_LOG_PROB: (2, "float"), VALUE: (2, "float"),
     SCORE: (1, "float"), REWARD: (2, "float"), ADVANTAGE: (2, "float"), VALUE_TARGET: (2, "float"),
+    ROLLOUT_IS_WEIGHT: (2, "float"),
     LOG_PROB: (2, "float"), ENTROPY: (2, "float"), VALUE_PRED: (2, "float"),
     NUM_TOKENS: (1, "float"), NUM_SEQS: (1, "float"), KL_COEF: (1, "float"),
 }
 _RESPONSE_SHAPED = {RESPONSE_MASK, ENGINE_LOG_PROB, OLD_LOG_PROB, REF_LOG_PROB, VALUE, REWARD, ADVANTAGE,
-                    VALUE_TARGET, LOG_PROB, ENTROPY, VALUE_PRED}
+                    VALUE_TARGET, LOG_PROB, ENTROPY, VALUE_PRED, ROLLOUT_IS_WEIGHT}
 
 
 def _kind(t: torch.Tensor) -> str:

@@ -33,13 +33,15 @@ class TrainingDiverged(UserError):
 class Updater:
     """Owns the optimizers and schedulers of actor and critic and runs the PPO update."""
 
-    def __init__(self, cfg, models, loss, temperature: float, device: torch.device, dist=None):
+    def __init__(self, cfg, models, loss, temperature: float, device: torch.device, dist=None,
+                 truncation=None):
         from rlpipe.core.distributed import Dist
 
         t = cfg.train
         self.contract = _checked_contract(cfg, models, loss)  # first: a mistake costs nothing
         self.cfg, self.models, self.loss = cfg, models, loss
         self.temperature, self.device, self.dist = temperature, device, dist or Dist()
+        self.truncation = truncation  # score under the sampler's top-k/top-p (score_truncated)
         self.params = {"actor": build.trainable(models.actor)}
         if models.critic is not None:  # a shared backbone is stepped by the actor's optimizer
             self.params["critic"] = build.trainable(models.critic, exclude=models.actor)
@@ -58,7 +60,7 @@ class Updater:
         inputs = [micro[k] for k in (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)]
         logp, entropy, values = logprobs_and_values(
             m.actor, m.critic, inputs, self.temperature, with_entropy=need.entropy != "none",
-            entropy_grad=need.entropy == "grad")
+            entropy_grad=need.entropy == "grad", truncation=self.truncation)
         micro[S.LOG_PROB] = logp
         if entropy is not None:
             micro[S.ENTROPY] = entropy
@@ -251,13 +253,18 @@ class Updater:
 
 def _checked_contract(cfg, models, loss) -> LossContract:
     """The loss's contract, checked against the run before any step: ``train.target_kl`` needs
-    a declared approx-KL metric, a critic needs a loss that trains it; a loss that adds the KL
-    term itself is told the estimator."""
+    a declared approx-KL metric, ``rollout_correction.mode`` tis/mis a loss that applies the
+    weights, a critic a loss that trains it; a loss that adds the KL term itself is told the
+    estimator."""
     declared = contract_of(loss)
     who = registry.label_of(loss)
     if cfg.train.target_kl is not None and declared.approx_kl_metric is None:
         raise UserError(f"train.target_kl is set but {who} declares no approx-KL metric "
                         f"(LossContract.approx_kl_metric); unset train.target_kl")
+    mode = cfg.rollout_correction.mode
+    if mode in ("tis", "mis") and not declared.rollout_weights:
+        raise UserError(f"rollout_correction.mode: {mode} weights the policy gradient, but {who} "
+                        f"does not declare LossContract.rollout_weights; use mode none or bypass")
     if models.critic is not None and not declared.values:
         raise UserError(f"advantage {cfg.advantage.name!r} needs a critic, but {who} declares "
                         f"values=False: nothing would train the critic")

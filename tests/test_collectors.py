@@ -7,7 +7,7 @@ import pytest
 
 from rlpipe.core import registry
 from rlpipe.core.collectors import (close_collector, collector_max_new_tokens,
-                                    collector_temperature)
+                                    collector_temperature, collector_truncation)
 from rlpipe.core.errors import UserError
 from rlpipe.plugins.collectors.hf import HFCollector
 
@@ -36,9 +36,11 @@ def test_declared_values_are_read(ctx):
 def test_a_bare_collector_gets_the_documented_defaults():
     from rlpipe.core.registry import DECLARED
 
-    assert DECLARED["collectors"] == {"temperature": 1.0, "max_new_tokens": 0, "close": None}
+    assert DECLARED["collectors"] == {"temperature": 1.0, "max_new_tokens": 0, "close": None,
+                                      "score_truncated": False, "top_k": 0, "top_p": 1.0}
     bare = Bare()
     assert collector_temperature(bare) == 1.0 and collector_max_new_tokens(bare) == 0
+    assert collector_truncation(bare) is None
     close_collector(bare)  # no close(): nothing to do
 
 
@@ -83,3 +85,13 @@ def test_what_a_property_or_close_raises_names_the_plugin():
     bare.max_new_tokens = "many"
     with pytest.raises(registry.PluginError, match=r"toy 1.0\)\) failed in max_new_tokens: Value"):
         collector_max_new_tokens(bare)
+
+
+def test_truncation_is_declared_only_when_asked_and_sampling_truncates(ctx):
+    from rlpipe.core.truncation import Truncation
+
+    asked = HFCollector(ctx, top_k=4, top_p=0.9, score_truncated=True)
+    assert collector_truncation(asked) == Truncation(4, 0.9)
+    assert collector_truncation(HFCollector(ctx, top_p=0.9)) is None              # not asked
+    assert collector_truncation(HFCollector(ctx, score_truncated=True)) is None   # no filter
+    assert collector_truncation(HFCollector(ctx, temperature=0, top_k=4, score_truncated=True)) is None

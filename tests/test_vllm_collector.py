@@ -375,11 +375,47 @@ def test_pipeline_logs_a_small_logprob_gap_with_the_vllm_collector(tmp_path, tok
     cfg = load_config(TINY_CONFIG, [f"run.output_dir={tmp_path / 'run'}", "run.steps=2",
                                f"models.actor.path={model_dir}", "models.actor.init=pretrained",
                                f"data.prompts={prompts}", "data.batch_size=4",
-                               "collector.name=vllm",
+                               "collector.name=vllm", "rollout_correction.mode=tis",
                                "collector.max_new_tokens=8", "collector.kv_cache_gb=0.25"])
     run_dir = train(cfg, progress=False)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["collector/logprob_gap"] < 1e-4 for m in metrics] == [True, True]
+    for m in metrics:  # tis: the weights are 1 within round-off when the engine is synced
+        assert m["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert m["rollout/ess"] > 0.999 and m["rollout/masked_frac"] == 0.0
+        assert 0 <= m["rollout/mismatch_kl"] < 1e-6 and m["rollout/is_weight_max"] < 1.01
+
+
+def test_preflight_fails_on_a_stale_engine_and_passes_once_synced(tmp_path, tokenizer):
+    """The mismatch preflight on the vLLM collector (its own engine): the actor moves and the
+    engine is not told (a missed sync) -> one-line failure; after the sync it passes. Then one
+    mis step against that stale start logs the rollout/* metrics and masks tokens."""
+    need_vllm()
+    from rlpipe.core.pipeline import Pipeline
+    from rlpipe.core.preflight import PreflightFailed, check
+
+    model_dir, prompts = write_assets(tmp_path, tokenizer)
+    cfg = load_config(TINY_CONFIG, [f"run.output_dir={tmp_path / 'run'}", "run.steps=1",
+                                    f"models.actor.path={model_dir}", "models.actor.init=pretrained",
+                                    f"data.prompts={prompts}", "data.batch_size=4",
+                                    "collector.name=vllm", "rollout_correction.mode=mis",
+                                    "rollout_correction.threshold=1.5",
+                                    "collector.max_new_tokens=8", "collector.kv_cache_gb=0.25"])
+    pipe = Pipeline(cfg, progress=False)
+    try:
+        with torch.no_grad():
+            for p in pipe.models.actor.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        with pytest.raises(PreflightFailed, match="the engine and the trainer disagree"):
+            check(pipe, echo=lambda line: None)
+        _, metrics = pipe.step()       # stale engine during this step's rollout
+        assert metrics["rollout/mismatch_kl"] > 1e-3 and metrics["rollout/masked_frac"] > 0
+        assert metrics["rollout/ess"] < 1 and metrics["rollout/is_weight_max"] > 1
+        pipe.plugins.collector.sync_weights(pipe.models.actor)
+        synced = check(pipe, echo=lambda line: None)
+        assert synced.gap_max < 1e-4 and synced.kl < 1e-8
+    finally:
+        pipe.plugins.collector.close()
 
 
 def test_two_processes_each_with_its_engine_follow_the_sharded_actor(tmp_path, tokenizer, harness):

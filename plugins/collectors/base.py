@@ -5,7 +5,8 @@ its sampling call.
 in the ``Annotated`` hint, the same `Range` text config fields carry), checks the run context,
 resolves the pad and EOS ids, encodes prompts (chat template, last ``prompt_budget`` tokens),
 left-pads them, and packs what `Collector.generate` returns into the rollout batch with group ids
-and decoded texts. It declares what core reads: ``temperature``, ``max_new_tokens``, ``close()``.
+and decoded texts. It declares what core reads: ``temperature``, ``max_new_tokens``, ``top_k``,
+``top_p``, ``score_truncated``, ``close()``.
 
 >>> pad_rows([[5, 6, 7], [8]], fill=0, left=True)[0].tolist()
 [[5, 6, 7], [0, 0, 8]]
@@ -153,7 +154,9 @@ class Collector:
     the first tokens of each response. The arguments are kept as attributes of the same names,
     which `collect` reads at each call. Core reads ``temperature`` (its log-probs divide the
     logits by it; 0 scores at 1), ``max_new_tokens`` (``ctx.max_new_tokens`` of the other
-    plugins) and calls ``close()`` at the end of a run (a no-op here).
+    plugins), ``top_k``, ``top_p`` and ``score_truncated`` (true: the trainer scores tokens under
+    the same truncated, renormalised distribution; `rlpipe.core.truncation`) and calls
+    ``close()`` at the end of a run (a no-op here).
 
     A subclass declares every argument in its own signature (config checks names and types
     against it) with the hints above, passes the shared ones to ``super().__init__`` and checks
@@ -165,7 +168,8 @@ class Collector:
     def __init__(self, ctx, *, max_new_tokens: Count = 64, temperature: Temperature = 1.0,
                  top_p: Fraction = 1.0, top_k: TopK = 0, n: Count = 1,
                  max_prompt_tokens: Count = 256, chat_template: bool = False,
-                 stop_strings: list[str] | None = None, min_new_tokens: Tokens = 0):
+                 stop_strings: list[str] | None = None, min_new_tokens: Tokens = 0,
+                 score_truncated: bool = False):
         shared = dict(locals())
         del shared["self"], shared["ctx"]
         hints = typing.get_type_hints(Collector.__init__, include_extras=True)
@@ -183,6 +187,7 @@ class Collector:
             max_new_tokens, temperature, top_p, top_k)
         self.n, self.max_prompt_tokens, self.chat_template = n, max_prompt_tokens, chat_template
         self.stop_strings, self.min_new_tokens = tuple(stop_strings or ()), min_new_tokens
+        self.score_truncated = score_truncated
         self.prompt_budget = max_prompt_tokens
         self.eos_ids = eos_ids(self.tokenizer, ctx.actor)
         pad = self.tokenizer.pad_token_id

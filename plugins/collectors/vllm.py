@@ -13,7 +13,8 @@ token, so the pipeline can log ``collector/logprob_gap`` (stale or wrong weights
 
 Log-probs follow rlpipe's convention (logits / temperature; greedy scores at temperature 1)
 through vLLM's ``logprobs_mode="processed_logprobs"``. With ``top_p < 1`` or ``top_k > 0`` the
-engine renormalises over the kept tokens while the trainer does not, so the gap is not 0 there.
+engine renormalises over the kept tokens; the trainer does too with ``score_truncated=True``
+(`rlpipe.core.truncation`), else the gap is not 0 there.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class VLLMCollector(Collector):
                  enable_sleep_mode: bool = False, dtype: EngineDType = "auto",
                  max_model_len: Count | None = None, enforce_eager: bool = True,
                  seed: int | None = None, kv_cache_gb: Annotated[float, Bound("> 0")] | None = None,
-                 min_new_tokens: Tokens = 0):
+                 min_new_tokens: Tokens = 0, score_truncated: bool = False):
         self.check_own_args(gpu_memory_utilization=gpu_memory_utilization,
                             tensor_parallel_size=tensor_parallel_size,
                             enable_sleep_mode=enable_sleep_mode, dtype=dtype,
@@ -70,7 +71,7 @@ class VLLMCollector(Collector):
         super().__init__(ctx, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                          top_k=top_k, n=n, max_prompt_tokens=max_prompt_tokens,
                          chat_template=chat_template, stop_strings=stop_strings,
-                         min_new_tokens=min_new_tokens)
+                         min_new_tokens=min_new_tokens, score_truncated=score_truncated)
         context = max_model_len or getattr(ctx.actor.config, "max_position_embeddings", None)
         if context is not None and max_new_tokens >= context:
             raise UserError(f"vllm collector: max_new_tokens={max_new_tokens} leaves no room for a "

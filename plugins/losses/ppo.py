@@ -6,7 +6,9 @@ and ``value_pred`` into the micro-batch, as the loss's `LossContract` asks (entr
 only when ``entropy_coef > 0``). Losses are sums over the micro-batch divided by the
 minibatch-wide counts ``num_tokens``/``num_seqs``, so the losses of the micro-batches of a
 minibatch add up to the loss of the whole minibatch. With ``kl.in: loss`` it adds ``loss_kl``
-itself (`rlpipe.core.kl.loss_term`, the run's estimator).
+itself (`rlpipe.core.kl.loss_term`, the run's estimator). A micro-batch that carries
+``rollout_is_weight`` (``rollout_correction.mode`` tis or mis) weights each token's clipped
+surrogate by it (`rlpipe.core.rollout_correction`).
 
 >>> import torch
 >>> from tensordict import TensorDict
@@ -128,6 +130,7 @@ class PPOLoss(PipelineLoss):
     APPROX_KL_ESTIMATOR = "k2"
     contract = LossContract(
         entropy="grad", values=True, kl_term=True, approx_kl_metric="policy/approx_kl",
+        rollout_weights=True,
         metrics={"policy/loss": "token", "policy/clipfrac": "token",
                  "policy/clipfrac_lower": "token", "policy/approx_kl": "token",
                  "policy/entropy": "token", "value/loss": "token", "value/clipfrac": "token",
@@ -142,6 +145,7 @@ class PPOLoss(PipelineLoss):
         value: NestedKey = schema.VALUE
         value_target: NestedKey = schema.VALUE_TARGET
         num_seqs: NestedKey = schema.NUM_SEQS
+        rollout_is_weight: NestedKey = schema.ROLLOUT_IS_WEIGHT
 
     default_keys = _AcceptedKeys
     out_keys = ["loss_objective", "loss_critic", "loss_entropy", "loss_kl",
@@ -184,7 +188,7 @@ class PPOLoss(PipelineLoss):
     @property
     def in_keys(self) -> list[NestedKey]:
         """Every key the loss reads; ``entropy``, ``value_pred``, ``value``, ``ref_log_prob``,
-        ``kl_coef`` and the counts are optional."""
+        ``kl_coef``, ``rollout_is_weight`` and the counts are optional."""
         return list(vars(self.tensor_keys).values())
 
     def forward(self, td: TensorDictBase) -> TensorDict:
@@ -198,6 +202,9 @@ class PPOLoss(PipelineLoss):
             td.get(keys.log_prob), td.get(keys.old_log_prob), td.get(keys.advantage),
             clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
             log_ratio_clamp=self.log_ratio_clamp)
+        weight = td.get(keys.rollout_is_weight, None)  # rollout correction (tis, mis)
+        if weight is not None:
+            loss = loss * weight
         out = TensorDict({"loss_objective": agg(loss)}, batch_size=[])
         metrics = {("policy", "loss"): loss, ("policy", "clipfrac"): clipped,
                    ("policy", "clipfrac_lower"): clipped_lower,
