@@ -130,7 +130,7 @@ def test_ppo_loss_weights_each_tokens_clipped_surrogate():
 
 
 def _run(mode):
-    return SimpleNamespace(train=SimpleNamespace(target_kl=None), kl=SimpleNamespace(estimator="k1"),
+    return SimpleNamespace(train=SimpleNamespace(target_kl=None), kl=SimpleNamespace(estimator="k1", clamp=10.0),
                            advantage=SimpleNamespace(name="gae"),
                            rollout_correction=SimpleNamespace(mode=mode))
 
