@@ -197,6 +197,8 @@ DECLARED = {
     "collectors": {"temperature": 1.0, "max_new_tokens": 0, "close": None},
     # read through rlpipe.core.loss.contract_of: None means LossContract()'s defaults
     "losses": {"contract": None, "set_kl_estimator": None},
+    # dataset columns a reward reads (checked against the data before the first step)
+    "rewards": {"columns": ()},
 }
 
 
