@@ -54,7 +54,7 @@ def _quiet_datasets():
 
     level = datasets.logging.get_verbosity()
     bars = datasets.utils.are_progress_bars_disabled()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its reader errors: ours say it
     datasets.disable_progress_bars()
     try:
         yield datasets
@@ -104,6 +104,8 @@ def _read_local(path: Path, split: str, key: str, datasets):
     if suffix not in FORMATS:
         raise UserError(f"{key}: {path}: unsupported file type {suffix or '(none)'!r}; use .txt, "
                         f"{', '.join(FORMATS)}, a save_to_disk folder or a Hub dataset name")
+    if path.stat().st_size == 0:
+        raise UserError(f"{key}: {path} is empty (no rows)")
     try:
         return datasets.load_dataset(FORMATS[suffix], data_files=str(path), split="train")
     except Exception as exc:  # noqa: BLE001 - pyarrow/pandas errors: name the file (and line)
