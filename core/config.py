@@ -93,9 +93,25 @@ class ModelsConfig:
 
 @dataclass
 class DataConfig:
-    prompts: Path             # .txt (one prompt per line) or .jsonl (a "prompt" field per line)
+    prompts: Path | str | None = None  # .txt (a prompt a line), .jsonl/.json/.parquet/.csv, a
+                                       # save_to_disk folder or a cached Hub dataset name; None:
+                                       # Pipeline(cfg, dataset=...) in Python
     batch_size: int = num(8, ">= 1")  # prompts per PPO step (samples = batch_size * collector n)
     shuffle: bool = True
+    split: str = "train"              # the split of a folder, DatasetDict or Hub dataset
+    prompt_key: str = "prompt"        # the prompt column: strings, or chat messages
+                                      # ([{role, content}]) applied through the chat template
+
+
+@dataclass
+class EvalConfig:
+    prompts: Path | str | None = None  # held-out prompts, as data.prompts; None: no evaluation
+    split: str = "train"
+    prompt_key: str = "prompt"
+    every: int = num(0, ">= 0")        # evaluate every N steps (0: at step 0 and the last only)
+    max_prompts: int | None = num(None, ">= 1")  # the first N rows (None: all)
+    temperature: float = num(0.0, ">= 0")  # 0: greedy decoding
+    batch_size: int = num(64, ">= 1")  # prompts per collect() call
 
 
 @dataclass
@@ -226,6 +242,7 @@ class Config:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ptx: PtxConfig = field(default_factory=PtxConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -5,6 +5,7 @@ what needs several keys, or a plugin's signature, or the model's ``config.json``
 
 - plugin arguments against each plugin constructor's signature (each plugin is resolved here,
   once, and kept on its section for build: `resolve_plugin`);
+- ``data.prompts`` and ``eval.prompts``: a path that exists or a Hub dataset name;
 - at least one reward, unique reward labels; ``ptx.data`` when ``ptx.coef > 0``;
 - the samples of a step (``data.batch_size`` x collector ``n``) split into ``train.minibatches``
   minibatches of at least (processes x ``train.grad_accum``) samples, and a prompt per process;
@@ -38,6 +39,10 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions")
 
 def check_config(cfg, conv) -> None:
     """Every rule above; the first one broken is a `UserError` naming its key."""
+    from rlpipe.core.prompts import data_source
+
+    cfg.data.prompts = data_source(cfg.data.prompts, conv, "data.prompts")
+    cfg.eval.prompts = data_source(cfg.eval.prompts, conv, "eval.prompts")
     for key, group in PLUGIN_GROUPS.items():
         sections = getattr(cfg, key)
         for i, section in enumerate(sections if isinstance(sections, list) else [sections]):

@@ -24,7 +24,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from tensordict import NonTensorStack, TensorDict
+from tensordict import NonTensorStack, TensorDict, is_leaf_nontensor
 
 from rlpipe.core import schema as S
 
@@ -78,7 +78,9 @@ class Dist:
         rows, width_p, width_r = _all_gather(shape, self.world).T.tolist()
         width_p, width_r = max(width_p), max(width_r)
         tensors, texts = {}, {}
-        for key in td.keys(include_nested=True, leaves_only=True):
+        # is_leaf_nontensor: the texts and non-tensor data columns too (tensordict's default
+        # leaves_only=True skips non-tensor entries, which then vanished from the gathered batch)
+        for key in td.keys(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor):
             value = td.get(key)
             if isinstance(value, torch.Tensor):
                 tensors[key] = _pad_rows(_pad(value, key, width_p, width_r, r), max(rows))

@@ -42,7 +42,7 @@ def flatten(td, prefix: str = "") -> dict[str, float]:
 
 
 def keep_steps(path: Path, last: int) -> None:
-    """Rewrite ``metrics.jsonl`` with one row per step ``1..last`` (the newest row of a step wins;
+    """Rewrite ``metrics.jsonl`` with one row per step ``0..last`` (the newest row of a step wins;
     later steps and unreadable lines, such as one cut by a kill, are dropped); atomic."""
     path = Path(path)
     if not path.is_file():
@@ -54,7 +54,7 @@ def keep_steps(path: Path, last: int) -> None:
         except ValueError:
             continue
         step = row.get("step") if isinstance(row, dict) else None
-        if isinstance(step, int) and 1 <= step <= last:
+        if isinstance(step, int) and 0 <= step <= last:  # step 0: the evaluation before training
             rows[step] = line
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(rows[s] + "\n" for s in sorted(rows)), encoding="utf-8")
@@ -137,7 +137,7 @@ class MetricsWriter:
                  for k, v in metrics.items()}
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
-        self.step = int(metrics.get("step", self.step + 1))
+        before, self.step = self.step, int(metrics.get("step", self.step + 1))
         scalars = {k: float(v) for k, v in clean.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         for sink in self.sinks:
@@ -145,7 +145,7 @@ class MetricsWriter:
         if self.bar is not None:
             shown = {k.split("/")[-1]: f"{metrics[k]:.3g}" for k in _BAR_KEYS if k in metrics}
             self.bar.set_postfix(shown, refresh=False)
-            self.bar.update(1)
+            self.bar.update(max(0, self.step - before))  # a step-0 row (evaluation) moves nothing
 
     def close(self) -> None:
         if self.file is not None:

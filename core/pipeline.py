@@ -32,12 +32,14 @@ from rlpipe.core.config import Config, save_config
 from rlpipe.core.context import RunContext
 from rlpipe.core.collectors import close_collector, collector_temperature, collector_truncation
 from rlpipe.core.critic_start import CriticWarmup
-from rlpipe.core.data import PromptStream, load_prompts
+from rlpipe.core.data import PromptStream
+from rlpipe.core.evaluation import Evaluator, eval_collector
 from rlpipe.core.errors import UserError
 from rlpipe.core.health import monitor_for
 from rlpipe.core.metrics import MetricsWriter, keep_steps, to_float
 from rlpipe.core.models import logprobs_and_values, response_logprobs, response_values
 from rlpipe.core.ops import masked_mean
+from rlpipe.core.prompts import check_reward_columns, load_run_data
 from rlpipe.core.update import Updater
 
 S = schema
@@ -55,14 +57,16 @@ class Pipeline:
 
     ``resume=True`` (or ``run.resume: auto``) continues from the newest complete checkpoint.
     ``collector``, ``rewards``, ``advantage``, ``loss``: stage objects that replace the config's
-    sections (`rlpipe.core.compose`).
+    sections (`rlpipe.core.compose`); ``dataset`` (a `datasets.Dataset`) replaces ``data.prompts``.
     """
 
     def __init__(self, cfg: Config, overwrite: bool = False, progress: bool = True,
-                 resume: bool = False, *, collector=None, rewards=None, advantage=None, loss=None):
+                 resume: bool = False, *, dataset=None, collector=None, rewards=None,
+                 advantage=None, loss=None):
         cfg = compose.apply(cfg, collector=collector, rewards=rewards, advantage=advantage, loss=loss)
         self.cfg, self.progress = cfg, progress and cfg.log.progress
         self.resume = resume or cfg.run.resume == "auto"
+        self.data, self.eval_data = load_run_data(cfg, dataset)  # bad data fails before models
         build.seed_everything(cfg.run.seed)
         self.dist, device_name = distributed.init(cfg.run.device, cfg.distributed.timeout_s)
         self.device = build.resolve_device(device_name)
@@ -80,8 +84,16 @@ class Pipeline:
         self.plugins = build.build_plugins(cfg, self.ctx)
         self.temperature = collector_temperature(self.plugins.collector)
         self.truncation = collector_truncation(self.plugins.collector)  # score_truncated
-        self.prompts = PromptStream(load_prompts(cfg.data.prompts), cfg.data.batch_size,
+        self.data.use_tokenizer(self.models.tokenizer)
+        check_reward_columns(self.plugins.rewards, self.data, "data.prompts")
+        self.prompts = PromptStream(list(range(len(self.data))), cfg.data.batch_size,
                                     cfg.data.shuffle, cfg.run.seed)
+        self.evaluator = None
+        if self.eval_data is not None:
+            self.eval_data.use_tokenizer(self.models.tokenizer)
+            check_reward_columns(self.plugins.rewards, self.eval_data, "eval.prompts")
+            self.evaluator = Evaluator(cfg, self.eval_data, eval_collector(cfg, self.ctx),
+                                       self.plugins.rewards, self.dist, self.device, self.run_dir)
         self.kl_ctl = (kl.AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
                        if cfg.kl.target is not None else kl.FixedKLController(cfg.kl.coef))
         self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device,
@@ -127,11 +139,12 @@ class Pipeline:
         t0 = time.perf_counter()
         # 1. collect: sample responses for this rank's share of a batch of prompts
         self.models.actor.eval()
-        prompts = _share(self.prompts.next_batch(), self.dist.rank, self.dist.world)
+        rows = _share(self.prompts.next_batch(), self.dist.rank, self.dist.world)
         collector = self.plugins.collector  # plugin calls: an error names the plugin
-        batch = guards.check_output(registry.call(collector.collect, prompts), collector,
-                                    required=(*_INPUTS, S.GROUP_ID, S.FINISHED))
+        batch = guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
+                                    collector, required=(*_INPUTS, S.GROUP_ID, S.FINISHED))
         batch = batch.to(self.device)
+        self.data.attach(batch, rows)  # ("data", COLUMN) of each sample's prompt row
         self._check(batch, [*_INPUTS, S.GROUP_ID, S.FINISHED], "collector")
         correction.require_engine_log_prob(batch, self.cfg.rollout_correction.mode, collector)
         t_rollout = time.perf_counter() - t0
@@ -357,16 +370,17 @@ class Pipeline:
         health = monitor_for(cfg.health, metrics_path if self.resume and self.dist.is_main else None,
                              echo=self.dist.is_main)
         with writer:
+            if self.evaluator is not None and self.step_count == 0:  # before any update
+                self._write(writer, {"step": 0, **self.evaluator.run(0, self.models.actor)})
             while self.step_count < cfg.run.steps and self.stopped_by is None:
                 _, metrics = self.step()
+                if self.evaluator is not None and Evaluator.due(cfg.eval.every, self.step_count,
+                                                                cfg.run.steps):
+                    metrics.update(self.evaluator.run(self.step_count, self.models.actor))
                 row = {"step": self.step_count, **metrics}
                 if self.dist.is_main:
                     health.observe(row)  # adds health/<rule> = 1 for the rules that hold
-                    try:
-                        writer.write(row)
-                    except OSError as exc:
-                        raise UserError(f"cannot write {metrics_path} ({exc}); continue with "
-                                        f"--resume once there is space") from exc
+                self._write(writer, row)
                 self.stopped_by = self._health_stop(health)
                 every = cfg.checkpoint.every
                 if self.stopped_by or (every and (self.step_count % every == 0
@@ -379,6 +393,8 @@ class Pipeline:
                   f"health.stop_on; checkpoint {checkpoint.latest(self.run_dir)} written, no "
                   f"final/; change the settings and continue with --resume", file=sys.stderr)
         close_collector(self.plugins.collector)  # e.g. stop a vLLM engine
+        if self.evaluator is not None:
+            close_collector(self.evaluator.collector)
         return self.run_dir
 
     def _health_stop(self, health) -> str | None:
@@ -393,9 +409,19 @@ class Pipeline:
             stop = next((n for n in names if votes[n] > 0), None)
         return stop
 
+    def _write(self, writer, row: dict) -> None:
+        """One row of ``metrics.jsonl`` (rank 0); a write error is one line."""
+        if not self.dist.is_main:
+            return
+        try:
+            writer.write(row)
+        except OSError as exc:
+            raise UserError(f"cannot write {self.run_dir / 'metrics.jsonl'} ({exc}); continue "
+                            f"with --resume once there is space") from exc
+
 
 def train(cfg: Config, overwrite: bool = False, progress: bool = True, resume: bool = False,
           **stages) -> Path:
     """Train with ``cfg``; returns the run directory (``config.yaml``, ``metrics.jsonl``, ``final/``).
-    ``stages``: stage objects, as for `Pipeline`."""
+    ``stages``: ``dataset`` and stage objects, as for `Pipeline`."""
     return Pipeline(cfg, overwrite=overwrite, progress=progress, resume=resume, **stages).train()

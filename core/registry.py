@@ -238,6 +238,8 @@ DECLARED = {
                    "score_truncated": False, "top_k": 0, "top_p": 1.0},
     # read through rlpipe.core.loss.contract_of: None means LossContract()'s defaults
     "losses": {"contract": None, "set_kl_estimator": None},
+    # dataset columns a reward reads (checked against the data before the first step)
+    "rewards": {"columns": ()},
 }
 
 

@@ -26,8 +26,9 @@ from rlpipe.core import registry, schema
 from rlpipe.core.errors import UserError
 
 
-def batch_texts(td, key) -> list[str]:
-    """A non-tensor text entry of the batch (``prompt_text``, ``response_text``) as a list."""
+def batch_texts(td, key) -> list:
+    """A non-tensor entry of the batch (``prompt_text``, ``response_text``, a data column) as a
+    list; a tensor entry as a list of Python numbers."""
     value = td.get(key)
     return value.tolist() if hasattr(value, "tolist") else list(value)
 
@@ -35,21 +36,43 @@ def batch_texts(td, key) -> list[str]:
 def wrap_reward_function(fn) -> type[nn.Module]:
     """Turn ``fn(prompts, responses, **batch) -> Sequence[float]`` into a reward module class.
 
-    The function's keyword parameters after ``prompts, responses`` become the config keys; the
-    batch's top-level entries are passed as keyword arguments too (so ``fn`` must take ``**batch``).
+    The function's keyword parameters after ``prompts, responses`` that have a default become
+    its config keys; those without one name the dataset columns it reads (declared as
+    ``columns``, so a missing column is an error before the first step). Every column arrives as
+    a list under its own name (``answer=[...]``, one value per sample), with the batch's other
+    top-level entries (``response_mask``, ...), so ``fn`` must take ``**batch``. A column named
+    like a batch entry shadows that entry here; reward modules read both (``td["data", name]``).
+
+    >>> import torch
+    >>> from tensordict import TensorDict, NonTensorStack
+    >>> def exact(prompts, responses, answer, **batch):
+    ...     return [float(r == a) for r, a in zip(responses, answer)]
+    >>> Reward = wrap_reward_function(exact)
+    >>> Reward.columns
+    ('answer',)
+    >>> td = TensorDict({"prompt_text": NonTensorStack("q", "q"),
+    ...                  "response_text": NonTensorStack("4", "5"),
+    ...                  ("data", "answer"): NonTensorStack("4", "4")}, batch_size=[2])
+    >>> Reward()(td)
+    tensor([1., 0.])
     """
     params = list(inspect.signature(fn).parameters.values())[2:]
-    config_params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params
-                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    config_params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in named
+                     if p.default is not p.empty]
 
     class FunctionReward(nn.Module):
+        columns = tuple(p.name for p in named if p.default is p.empty)
+
         def __init__(self, **kwargs):
             super().__init__()
             self.kwargs = kwargs
 
         def forward(self, td):
-            skip = {schema.PROMPT_TEXT, schema.RESPONSE_TEXT, *self.kwargs}
+            skip = {schema.PROMPT_TEXT, schema.RESPONSE_TEXT, schema.DATA, *self.kwargs}
             batch = {k: td.get(k) for k in td.keys() if k not in skip}
+            if schema.DATA in td.keys():
+                batch.update({k: batch_texts(td, (schema.DATA, k)) for k in td.get(schema.DATA).keys()})
             out = fn(batch_texts(td, schema.PROMPT_TEXT), batch_texts(td, schema.RESPONSE_TEXT),
                      **batch, **self.kwargs)
             try:
@@ -132,13 +155,28 @@ class RewardComposer(nn.Module):
         out = (score.double() - mean.to(score.device)) / torch.sqrt(var + self.EPS).to(score.device)
         return out.to(score.dtype)
 
-    @torch.no_grad()
-    def forward(self, td):
+    def weighted(self, td) -> torch.Tensor:
+        """Write each component to ``("score_parts", label)``; return ``sum(weight * part)``."""
         score = torch.zeros(td.batch_size[0], device=td.device)
         for label, weight, module in zip(self.labels, self.weights, self.parts):
             part = self._part(label, module, td, score.device)
             td.set((schema.SCORE_PARTS, label), part)
             score = score + weight * part
+        return score
+
+    @torch.no_grad()
+    def evaluate(self, td):
+        """The parts and ``score`` for a held-out batch: weighted and clipped, never normalised,
+        and the running statistics are left as they are."""
+        score = self.weighted(td)
+        if self.clip is not None:
+            score = score.clamp(-self.clip, self.clip)
+        td.set(schema.SCORE, score)
+        return td
+
+    @torch.no_grad()
+    def forward(self, td):
+        score = self.weighted(td)
         if self.normalize:
             self.update_stats(score)  # this batch counts before it is normalised
             score = self.normalized(score)

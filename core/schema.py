@@ -31,6 +31,7 @@ REF_LOG_PROB = "ref_log_prob"    # [B, R] float: log pi_ref(a_t|s_t)
 VALUE = "value"                  # [B, R] float: critic V(s_t) at rollout time, 0 on padding
 SCORE = "score"                  # [B] float: weighted sum of reward components
 SCORE_PARTS = "score_parts"      # ("score_parts", NAME) [B] float: each component, unweighted
+DATA = "data"                    # ("data", COLUMN) [B]: the prompt row's other dataset columns
 REWARD = "reward"                # [B, R] float: score on the last valid token, -beta*KL per token
 ADVANTAGE = "advantage"          # [B, R] float: 0 on padding
 VALUE_TARGET = "value_target"    # [B, R] float: return target for the critic
