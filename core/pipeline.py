@@ -11,7 +11,7 @@ One PPO step of the tiny example (a few seconds on CPU):
 >>> out = Path(tempfile.mkdtemp()) / "tiny"
 >>> run_dir = train(load_config(tiny, ["run.steps=1", f"run.output_dir={out}"]), progress=False)
 >>> run_dir == out, sorted(p.name for p in out.iterdir())
-(True, ['.rlpipe-run', 'config.yaml', 'final', 'metrics.jsonl'])
+(True, ['.rlpipe-run', 'config.yaml', 'final', 'metrics.jsonl', 'samples'])
 >>> shutil.rmtree(out.parent)
 """
 
@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import build, checkpoint, distributed, guards, kl, registry, rundir, schema
+from rlpipe.core import (build, checkpoint, console, distributed, export, guards, kl, registry,
+                         rundir, samples, schema)
 from rlpipe.core.config import Config, save_config
 from rlpipe.core.context import RunContext
 from rlpipe.core.collectors import close_collector, collector_temperature
@@ -52,6 +53,7 @@ class Pipeline:
     ``resume=True`` (or ``run.resume: auto``) continues from the newest complete checkpoint.
     """
 
+    @console.quiet_libraries()  # transformers' own bars would cut through rlpipe's lines
     def __init__(self, cfg: Config, overwrite: bool = False, progress: bool = True,
                  resume: bool = False):
         self.cfg, self.progress = cfg, progress and cfg.log.progress
@@ -61,7 +63,11 @@ class Pipeline:
         self.device = build.resolve_device(device_name)
         self.run_dir = build.prepare_run_dir(cfg, overwrite, self.resume, self.dist.is_main)
         self.dist.barrier()  # the run directory exists for every rank from here on
-        self.models = build.build_models(cfg, self.device, build.needs_critic(cfg))
+        self.status = console.Status(self.dist.is_main)
+        with self.status.phase(f"loading models from {cfg.models.actor.path} on {self.device}") as took:
+            self.models = build.build_models(cfg, self.device, build.needs_critic(cfg))
+        for line in console.describe_models(self.models, took()):
+            self.status.say(line)
         if self.dist.enabled:
             if cfg.data.batch_size < self.dist.world:
                 raise UserError(f"data.batch_size={cfg.data.batch_size} gives some of the "
@@ -70,10 +76,16 @@ class Pipeline:
             build.seed_everything(cfg.run.seed + self.dist.rank)  # a sampling stream per rank
         self.ctx = RunContext(tokenizer=self.models.tokenizer, actor=self.models.actor,
                               device=self.device, seed=cfg.run.seed, run_dir=self.run_dir)
-        self.plugins = build.build_plugins(cfg, self.ctx)
+        names = ", ".join([cfg.collector.name, *(r.key for r in cfg.rewards), cfg.advantage.name,
+                           cfg.loss.name])
+        with self.status.phase(f"building plugins ({names})") as took:
+            self.plugins = build.build_plugins(cfg, self.ctx)
+        self.status.say(f"plugins ready in {took():.1f} s")
         self.temperature = collector_temperature(self.plugins.collector)
         self.prompts = PromptStream(load_prompts(cfg.data.prompts), cfg.data.batch_size,
                                     cfg.data.shuffle, cfg.run.seed)
+        self.status.say(f"data: {len(self.prompts.prompts)} prompts from {cfg.data.prompts}, "
+                        f"{cfg.data.batch_size} per step")
         self.kl_ctl = (kl.AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
                        if cfg.kl.target is not None else kl.FixedKLController(cfg.kl.coef))
         self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device,
@@ -122,6 +134,7 @@ class Pipeline:
         self._score_tokens(batch)
         # 3. rewards: every reward plugin, weighted and summed into the sequence score
         self.plugins.rewards(batch)
+        t_score = time.perf_counter() - t0 - t_rollout
         self._check(batch, [S.OLD_LOG_PROB, S.REF_LOG_PROB, S.VALUE, S.SCORE], "rewards")
         batch = self.dist.gather(batch)  # every rank now holds the whole scored rollout
         mask, engine_gap = batch[S.RESPONSE_MASK], self._engine_gap(batch)
@@ -154,12 +167,25 @@ class Pipeline:
             "reward/score": to_float(batch[S.SCORE]),
             **{f"reward/{k}": to_float(v) for k, v in batch[S.SCORE_PARTS].items()},
             "kl/ref": seq_kl, "kl/coef": coef, **engine_gap, **update_metrics,
+            **samples.step_stats(batch, kl_tok, self.ctx.max_new_tokens, self.models.critic is not None),
             "response/length": to_float(mask.sum(-1).float()),
             "response/finished_frac": to_float(batch[S.FINISHED].float()),
             "perf/tokens_per_s": float(mask.sum()) / elapsed,
-            "time/rollout_s": t_rollout, "time/update_s": t_update, "time/step_s": elapsed,
+            "time/rollout_s": t_rollout, "time/score_s": t_score, "time/update_s": t_update,
+            "time/step_s": elapsed,
         }
         return batch, metrics
+
+    def _write_samples(self, batch: TensorDict, writer) -> None:
+        """Every ``log.samples_every`` steps: ``samples/step-N.jsonl`` and the sinks' tables."""
+        every = self.cfg.log.samples_every
+        if not every or self.step_count % every:
+            return
+        kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB],
+                                 self.cfg.kl.estimator) * batch[S.RESPONSE_MASK]
+        rows = samples.sample_rows(batch, kl_tok, self.cfg.log.samples)
+        samples.write_samples(self.run_dir, self.step_count, rows)
+        writer.log_samples(rows, self.step_count)
 
     # ---- checkpoint and resume -------------------------------------------------------------
 
@@ -234,7 +260,11 @@ class Pipeline:
                    for name, module in self._modules().items()}
         state = self.state_dict()
         if self.dist.is_main:
-            checkpoint.save(self.run_dir, self.step_count, weights, state, self.cfg.checkpoint.keep)
+            policy = lambda folder: export.save_policy(  # noqa: E731 - loads without rlpipe
+                self.models.actor, self.models.tokenizer, folder / export.POLICY,
+                self.cfg.models.actor.path)
+            checkpoint.save(self.run_dir, self.step_count, weights, state, self.cfg.checkpoint.keep,
+                            policy)
         self.dist.barrier()
 
     def _restore(self) -> None:
@@ -310,6 +340,7 @@ class Pipeline:
         actor.save_pretrained(final)
         self.models.tokenizer.save_pretrained(final)
 
+    @console.quiet_libraries()
     def train(self) -> Path:
         """Run the remaining steps, append metrics (rank 0), checkpoint, save the final policy.
         Resuming a run whose ``final/`` is at ``run.steps`` already says so and trains nothing."""
@@ -328,10 +359,11 @@ class Pipeline:
                   if self.dist.is_main else contextlib.nullcontext())
         with writer:
             while self.step_count < cfg.run.steps:
-                _, metrics = self.step()
+                batch, metrics = self.step()
                 if self.dist.is_main:
                     try:
                         writer.write({"step": self.step_count, **metrics})
+                        self._write_samples(batch, writer)
                     except OSError as exc:
                         raise UserError(f"cannot write {metrics_path} ({exc}); continue with "
                                         f"--resume once there is space") from exc

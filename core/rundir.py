@@ -49,9 +49,9 @@ class Layout:
 RUN_LAYOUT = Layout(
     "run", "run directory",
     (MARKER, "config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "final",
-     "report", "tensorboard", "wandb"),
-    ("checkpoints", "final", "report", "tensorboard", "wandb"),
-    (MARKER, "config.yaml", "metrics.jsonl", "tensorboard", "wandb"))
+     "report", "tensorboard", "wandb", "samples"),
+    ("checkpoints", "final", "report", "tensorboard", "wandb", "samples"),
+    (MARKER, "config.yaml", "metrics.jsonl", "tensorboard", "wandb", "samples"))
 RM_LAYOUT = Layout(  # rlpipe train-rm: a save_pretrained classifier, its tokenizer, metrics.jsonl
     "reward_model", "train-rm output",
     (MARKER, "metrics.jsonl", "config.json", "generation_config.json", "model*.safetensors",
