@@ -138,3 +138,39 @@ def markdown_table(rows: list[dict]) -> str:
     head = "| prompt | response | score | length | finished | kl |\n|---|---|---|---|---|---|\n"
     return head + "".join(f"| {cell(r['prompt'])} | {cell(r['response'])} | {r['score']} | "
                           f"{r['length']} | {r['finished']} | {r['kl']} |\n" for r in rows)
+
+
+def _cut(text, limit: int = 300) -> str:
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[:limit] + " …"
+
+
+def _side_by_side(first: tuple[int, Path], last: tuple[int, Path], what: str) -> list[str]:
+    a, b = ([json.loads(x) for x in p.read_text(encoding="utf-8").splitlines() if x.strip()]
+            for _, p in (first, last))
+    lines = [f"## {what}: step {first[0]} vs step {last[0]}", "",
+             f"| # | step {first[0]} prompt | response | score | step {last[0]} prompt | response "
+             f"| score |", "|---|---|---|---|---|---|---|"]
+    for i in range(max(len(a), len(b))):
+        cells = []
+        for side in (a, b):
+            row = side[i] if i < len(side) else {}
+            score = row.get("score")
+            cells += [_cut(row.get("prompt", "")), _cut(row.get("response", "")),
+                      f"{score:.3g}" if isinstance(score, (int, float)) else ""]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def first_vs_last(run_dir: Path) -> str | None:
+    """Markdown: the first and the last step's samples side by side (training samples, and held-out
+    ``eval-step-N`` samples when the run wrote them); None without sample files."""
+    sections = []
+    for prefix, what in (("step-", "Training samples"), ("eval-step-", "Held-out samples")):
+        found = sample_files(run_dir, prefix)
+        if found:
+            sections += _side_by_side(found[0], found[-1], what)
+    if not sections:
+        return None
+    return "\n".join([f"# Samples of {Path(run_dir).name}", "",
+                      "Responses cut at 300 characters; full text in `samples/`.", "", *sections])

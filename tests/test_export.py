@@ -129,3 +129,17 @@ def test_lora_on_a_random_init_base_exports_merged(tmp_path):
     assert run_cli("export", run_dir, tmp_path / "merged").exit_code == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert torch.allclose(logits(merged), logits(pipe.models.actor), atol=1e-5)
+
+
+def test_export_of_a_sharded_checkpoint(tmp_path):
+    """A torch.distributed.checkpoint folder (what distributed runs write; written here by one
+    process through the same code) has no policy/ folder: export rebuilds the actor from it."""
+    run_dir = tmp_path / "run"
+    pipe = Pipeline(tiny(run_dir, "run.steps=1", "train.epochs=1"), progress=False)
+    pipe.step()
+    state = pipe.state_dict(sharded=True)
+    checkpoint.save_sharded(run_dir, 1, pipe._shards(state), state, 2, pipe.dist)
+    assert checkpoint.is_sharded(checkpoint.latest(run_dir))
+    assert run_cli("export", run_dir, tmp_path / "out").exit_code == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert torch.allclose(logits(exported), logits(pipe.models.actor), atol=1e-6)
