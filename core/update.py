@@ -204,7 +204,8 @@ class Updater:
         ``loss/*`` averaged over minibatches and the loss module's other metrics reduced as its
         contract declares (token- or sequence-weighted over all micro-batches and ranks, or
         pooled), so that neither depends on how the batch is split. Skipped (non-finite)
-        minibatches are left out of both."""
+        minibatches are left out of both, and of ``train/grad_norm`` and
+        ``train/critic_grad_norm``: the mean pre-clip gradient norms of the optimizer steps."""
         self.grad_norms = {}
         with checkpointing(self.models.actor, self.models.critic):  # no-op unless enabled
             losses, parts, done, skipped, stopped = self._epochs(batch, train_actor, kl_coef)

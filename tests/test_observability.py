@@ -233,3 +233,66 @@ def test_status_lines_and_final_summary(tmp_path, capfd):
                         ("policy", out / "final")):
         assert any(line.split()[:2] == [label, str(path)] for line in summary), (label, summary)
     assert any(f"rlpipe report {out}" in line for line in summary)
+
+
+# ---- samples in the TensorBoard and W&B sinks (faked: these tests run without either) -------
+
+ROWS = [{"prompt": "a | b", "response": "c", "score": 0.5, "rewards": {}, "length": 3,
+         "finished": True, "kl": 0.01}]
+
+
+def test_samples_go_to_tensorboard_as_text(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    texts = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            pass
+
+        def add_text(self, tag, text, step):
+            texts.append((tag, text, step))
+
+        def add_scalar(self, *a):
+            pass
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard",
+                        types.SimpleNamespace(SummaryWriter=Writer))
+    from rlpipe.core.metrics import MetricsWriter
+
+    with MetricsWriter(tmp_path / "metrics.jsonl", 1, progress=False, tensorboard=True) as w:
+        w.log_samples(ROWS, 5)
+    (tag, text, step), = texts
+    assert tag == "samples" and step == 5
+    assert text.splitlines()[2] == "| a \\| b | c | 0.5 | 3 | True | 0.01 |"
+
+
+def test_samples_go_to_wandb_as_a_table(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    logged = []
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    run = types.SimpleNamespace(log=lambda data, step: logged.append((data, step)),
+                                finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **k: run, Table=Table))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    from rlpipe.core.metrics import MetricsWriter
+
+    with MetricsWriter(tmp_path / "metrics.jsonl", 1, progress=False, wandb=True) as w:
+        w.log_samples(ROWS, 2)
+    (data, step), = logged
+    table = data["samples"]
+    assert step == 2 and table.columns == ["prompt", "response", "score", "length", "finished", "kl"]
+    assert table.data == [["a | b", "c", 0.5, 3, True, 0.01]]
