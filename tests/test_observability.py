@@ -226,6 +226,7 @@ def test_status_lines_and_final_summary(tmp_path, capfd):
         assert f"rlpipe: {phase}" in err, (phase, err)
     assert "params, float32, cpu" in err
     assert "step 1/1  reward " in err
+    assert "Writing model shards" not in err and "Loading weights" not in err  # transformers' bars
     summary = result.stdout.splitlines()
     assert summary[0] == f"run finished: {out}"
     for label, path in (("metrics", out / "metrics.jsonl"), ("samples", out / "samples"),
