@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -86,7 +87,9 @@ def _rebuilt_actor(cfg, path: Path):
 
         state = checkpoint.trainable_state(actor, actor.state_dict(), to_cpu=True)
         try:
-            dcp.load({"models": {"actor": state}}, checkpoint_id=str(path / checkpoint.SHARDS))
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+                warnings.filterwarnings("ignore", ".*single process", UserWarning)
+                dcp.load({"models": {"actor": state}}, checkpoint_id=str(path / checkpoint.SHARDS))
         except Exception as exc:  # noqa: BLE001 - DCP names the mismatched keys in its text
             raise UserError(f"checkpoint {path} does not match the run's actor "
                             f"({' '.join(str(exc).split())[:300]})") from exc
