@@ -9,7 +9,7 @@ instead of a bar redrawn with carriage returns. transformers' and huggingface_hu
 ("Loading weights", "Writing model shards") are switched off while a run prints its own.
 
 >>> step_line({"step": 3, "reward/score": -0.4213, "kl/ref": 0.0131, "time/step_s": 3.14}, 10)
-'step 3/10  reward -0.421  kl 0.0131  step 3.1s'
+'step 3/10  reward -0.421  kl 0.0131  3.1 s/step'
 >>> postfix({"reward/score": 0.5, "perf/tokens_per_s": 812.4}, width=80)
 'reward=0.5 tok/s=812'
 """
@@ -33,10 +33,10 @@ def _fmt(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-def postfix(metrics: dict, width: int) -> str:
+def postfix(metrics: dict, width: int, total: int = 100) -> str:
     """The bar's ``name=value`` entries that fit in ``width`` columns next to a readable bar."""
     entries = [f"{short}={_fmt(metrics[k])}" for k, short in SHOWN if k in metrics]
-    room = width - len("rlpipe 100/100 || 00:00<00:00 ") - MIN_BAR
+    room = width - len(f"rlpipe {total}/{total} || 00:00:00<00:00:00 ") - MIN_BAR
     while entries and len(" ".join(entries)) > room:
         entries.pop()
     return " ".join(entries)
@@ -47,7 +47,7 @@ def step_line(metrics: dict, total: int) -> str:
     parts = [f"step {metrics.get('step', '?')}/{total}"]
     parts += [f"{short} {_fmt(metrics[k])}" for k, short in SHOWN if k in metrics]
     if "time/step_s" in metrics:
-        parts.append(f"step {metrics['time/step_s']:.1f}s")
+        parts.append(f"{metrics['time/step_s']:.1f} s/step")
     return "  ".join(parts)
 
 
@@ -72,7 +72,7 @@ class Progress:
             print(step_line(metrics, self.total), file=sys.stderr, flush=True)
             return
         width = shutil.get_terminal_size((80, 24)).columns
-        text = postfix(metrics, width)
+        text = postfix(metrics, width, self.total)
         self.bar.set_postfix_str(" " + text if text else "", refresh=False)
         self.bar.update(1)
 

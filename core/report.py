@@ -259,6 +259,8 @@ def summary(run_dir: Path) -> str:
         best = max(score, key=lambda p: p[1])
         lines.append(f"reward/score       {score[0][1]:.4g} -> {score[-1][1]:.4g}"
                      f"  (best {best[1]:.4g} at step {best[0]})")
+    if held := _finite(rows, "eval/score"):
+        lines.append(f"eval/score         {held[0][1]:.4g} -> {held[-1][1]:.4g}  (held-out)")
     if kl := _finite(rows, "kl/ref"):
         lines.append(f"kl/ref             {kl[-1][1]:.4g} (final)")
     if tps := _finite(rows, "perf/tokens_per_s"):

@@ -195,8 +195,8 @@ def test_one_line_per_step_when_not_a_terminal(tmp_path, capfd):
         w.write({**METRICS, "step": 4})
     err = capfd.readouterr().err
     assert err.splitlines() == [
-        "step 3/2  reward -0.421  kl 0.0131  clip 0.081  len 11.2  tok/s 85.3  step 3.1s",
-        "step 4/2  reward -0.421  kl 0.0131  clip 0.081  len 11.2  tok/s 85.3  step 3.1s"]
+        "step 3/2  reward -0.421  kl 0.0131  clip 0.081  len 11.2  tok/s 85.3  3.1 s/step",
+        "step 4/2  reward -0.421  kl 0.0131  clip 0.081  len 11.2  tok/s 85.3  3.1 s/step"]
     assert "\r" not in err
 
 

@@ -270,6 +270,7 @@ def test_eval_samples_and_metrics_are_shown_when_present(tmp_path):
             json.dumps({"prompt": "2+2=", "response": f"answer {step}", "score": step}) + "\n")
     paths = write_report(run)
     assert {p.stem for p in paths if p.suffix == ".png"} == {"overview", "reward", "eval"}
+    assert "eval/score         0.2 -> 0.6  (held-out)" in summary(run)
     page = (run / "report" / "samples.md").read_text()
     assert "## Held-out samples: step 1 vs step 3" in page and "| 1 | 2+2= | answer 1 | 1 | 2+2= | answer 3 | 3 |" in page
 
