@@ -59,7 +59,7 @@ def main():
 @_overrides_arg
 @click.option("--overwrite", is_flag=True,
               help="Replace an earlier rlpipe run in run.output_dir (never other files).")
-@click.option("--no-progress", is_flag=True, help="No progress bar (metrics still go to metrics.jsonl).")
+@click.option("--no-progress", is_flag=True, help="No progress bar: one line per step instead.")
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in run.output_dir.")
 @_user_errors
 def run(config_path, overrides, overwrite, no_progress, resume):
@@ -104,7 +104,9 @@ def run(config_path, overrides, overwrite, no_progress, resume):
     if pipeline.stopped_by is not None:  # the pipeline printed why; the run can be resumed
         return
     if not distributed.launched() or os.environ.get("RANK") == "0":
-        click.echo(f"run finished: {run_dir}  (metrics.jsonl, config.yaml, final/)")
+        from rlpipe.core.console import final_summary
+
+        click.echo("\n".join(final_summary(run_dir)))
 
 
 @main.command("config")
@@ -183,6 +185,22 @@ def doctor(run_dir):
     text, status = examine_run(Path(run_dir))
     click.echo(text)
     sys.exit(status)
+
+
+@main.command()
+@click.argument("run_dir", metavar="RUN_DIR")
+@click.argument("out", metavar="OUT")
+@click.option("--step", type=int, default=None, help="Checkpoint step (default: the newest).")
+@click.option("--adapter", is_flag=True, help="A LoRA actor as its adapter alone (default: merged).")
+@_user_errors
+def export(run_dir, out, step, adapter):
+    """Write a checkpoint's policy to OUT as a save_pretrained folder (from_pretrained, or peft)."""
+    from rlpipe.core.console import quiet_libraries
+    from rlpipe.core.export import export as export_policy
+
+    with quiet_libraries():
+        path = export_policy(run_dir, out, step=step, merge=not adapter)
+    click.echo(f"exported: {path}")
 
 
 @main.command("train-rm")

@@ -55,11 +55,13 @@ def _digest(path: Path) -> dict:
     return {"size": path.stat().st_size, "sha256": sha.hexdigest()}
 
 
-def _write(tmp: Path, step: int, weights: dict, state: dict) -> None:
+def _write(tmp: Path, step: int, weights: dict, state: dict, extra=None) -> None:
     tmp.mkdir(parents=True)
     for name, tensors in weights.items():
         save_file(tensors, str(tmp / f"{name}.safetensors"))
     torch.save(state, tmp / "state.pt")
+    if extra is not None:  # e.g. the policy as a save_pretrained folder (rlpipe.core.export)
+        extra(tmp)
     _seal(tmp, step)
 
 
@@ -87,12 +89,13 @@ def io_failure(exc: BaseException) -> bool:
         "no space", "quota", "os error", "ioerror", "write failed", "storagefull"))
 
 
-def save(run_dir: Path, step: int, weights: dict, state: dict, keep: int) -> Path:
-    """Write ``weights`` (name -> state dict) and ``state`` atomically; keep the newest ``keep``."""
+def save(run_dir: Path, step: int, weights: dict, state: dict, keep: int, extra=None) -> Path:
+    """Write ``weights`` (name -> state dict) and ``state`` atomically; keep the newest ``keep``.
+    ``extra(folder)`` writes more files into the checkpoint before it is sealed."""
     root, tmp, final = _paths(run_dir, step)
     _clear_leftovers(root)
     try:
-        _write(tmp, step, weights, state)
+        _write(tmp, step, weights, state, extra)
     except Exception as exc:
         raise _write_error(exc, run_dir, tmp, final) from exc
     return _publish(run_dir, tmp, final, keep)

@@ -189,6 +189,8 @@ class LogConfig:
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "rlpipe"
+    samples_every: int = num(1, ">= 0")  # write samples/step-N.jsonl every N steps (0: never)
+    samples: int = num(4, ">= 1")        # samples per file (evenly spaced over the batch)
 
 
 @dataclass

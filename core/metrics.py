@@ -19,11 +19,8 @@ from pathlib import Path
 
 import torch
 
+from rlpipe.core.console import Progress
 from rlpipe.core.errors import UserError
-
-# Shown on the progress bar, in this order, when present.
-_BAR_KEYS = ("reward/score", "kl/ref", "policy/clipfrac", "response/length", "perf/tokens_per_s")
-
 
 def to_float(value) -> float:
     return float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
@@ -76,6 +73,12 @@ class _TensorBoard:
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        from rlpipe.core.samples import markdown_table
+
+        self.writer.add_text("samples", markdown_table(rows), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -105,13 +108,22 @@ class _Wandb:
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
 
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        import wandb
+
+        columns = ["prompt", "response", "score", "length", "finished", "kl"]
+        table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+        self.run.log({"samples": table}, step=step)
+
     def close(self) -> None:
         self.run.finish()
 
 
 class MetricsWriter:
-    """Appends one JSON line per step (flushed, so a crash loses nothing written), drives tqdm and
-    forwards the numeric metrics to the enabled sinks (``tensorboard``, ``wandb``) at ``step``."""
+    """Appends one JSON line per step (flushed, so a crash loses nothing written), shows it
+    (`rlpipe.core.console.Progress`: a bar, or with ``progress=False`` or off a terminal one line)
+    and forwards the numeric metrics to the enabled sinks (``tensorboard``, ``wandb``) at ``step``;
+    `log_samples` sends a step's samples to them (a text table, a W&B table)."""
 
     def __init__(self, path: Path, total: int, progress: bool = True, initial: int = 0, *,
                  tensorboard: bool = False, wandb: bool = False, wandb_project: str = "rlpipe",
@@ -127,10 +139,7 @@ class MetricsWriter:
             self.close()
             raise
         self.file = open(path, "a", encoding="utf-8")
-        if progress:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, initial=initial, desc="rlpipe", unit="step", dynamic_ncols=True)
+        self.bar = Progress(total, initial, bar=progress)
 
     def write(self, metrics: dict) -> None:
         clean = {k: (v if isinstance(v, (int, str)) or math.isfinite(v) else None)
@@ -143,9 +152,12 @@ class MetricsWriter:
         for sink in self.sinks:
             sink.log(scalars, self.step)
         if self.bar is not None:
-            shown = {k.split("/")[-1]: f"{metrics[k]:.3g}" for k in _BAR_KEYS if k in metrics}
-            self.bar.set_postfix(shown, refresh=False)
-            self.bar.update(max(0, self.step - before))  # a step-0 row (evaluation) moves nothing
+            self.bar.update(metrics, advance=max(0, self.step - before))  # a step-0 row
+                                                                          # (evaluation) moves nothing
+
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        for sink in self.sinks:
+            sink.log_samples(rows, step)
 
     def close(self) -> None:
         if self.file is not None:

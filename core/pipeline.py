@@ -11,7 +11,7 @@ One PPO step of the tiny example (a few seconds on CPU):
 >>> out = Path(tempfile.mkdtemp()) / "tiny"
 >>> run_dir = train(load_config(tiny, ["run.steps=1", f"run.output_dir={out}"]), progress=False)
 >>> run_dir == out, sorted(p.name for p in out.iterdir())
-(True, ['.rlpipe-run', 'config.yaml', 'final', 'metrics.jsonl'])
+(True, ['.rlpipe-run', 'config.yaml', 'final', 'metrics.jsonl', 'samples'])
 >>> shutil.rmtree(out.parent)
 """
 
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import (build, checkpoint, compose, distributed, guards, kl, preflight, registry,
-                         rundir, schema)
+from rlpipe.core import (build, checkpoint, compose, console, distributed, export, guards, kl,
+                         preflight, registry, rundir, samples, schema)
 from rlpipe.core import rollout_correction as correction
 from rlpipe.core.config import Config, save_config
 from rlpipe.core.context import RunContext
@@ -60,6 +60,7 @@ class Pipeline:
     sections (`rlpipe.core.compose`); ``dataset`` (a `datasets.Dataset`) replaces ``data.prompts``.
     """
 
+    @console.quiet_libraries()  # transformers' own bars would cut through rlpipe's lines
     def __init__(self, cfg: Config, overwrite: bool = False, progress: bool = True,
                  resume: bool = False, *, dataset=None, collector=None, rewards=None,
                  advantage=None, loss=None):
@@ -72,7 +73,11 @@ class Pipeline:
         self.device = build.resolve_device(device_name)
         self.run_dir = build.prepare_run_dir(cfg, overwrite, self.resume, self.dist.is_main)
         self.dist.barrier()  # the run directory exists for every rank from here on
-        self.models = build.build_models(cfg, self.device, build.needs_critic(cfg))
+        self.status = console.Status(self.dist.is_main)
+        with self.status.phase(f"loading models from {cfg.models.actor.path} on {self.device}") as took:
+            self.models = build.build_models(cfg, self.device, build.needs_critic(cfg))
+        for line in console.describe_models(self.models, took()):
+            self.status.say(line)
         if self.dist.enabled:
             if cfg.data.batch_size < self.dist.world:
                 raise UserError(f"data.batch_size={cfg.data.batch_size} gives some of the "
@@ -81,13 +86,19 @@ class Pipeline:
             build.seed_everything(cfg.run.seed + self.dist.rank)  # a sampling stream per rank
         self.ctx = RunContext(tokenizer=self.models.tokenizer, actor=self.models.actor,
                               device=self.device, seed=cfg.run.seed, run_dir=self.run_dir)
-        self.plugins = build.build_plugins(cfg, self.ctx)
+        names = ", ".join([cfg.collector.name, *(r.key for r in cfg.rewards), cfg.advantage.name,
+                           cfg.loss.name])
+        with self.status.phase(f"building plugins ({names})") as took:
+            self.plugins = build.build_plugins(cfg, self.ctx)
+        self.status.say(f"plugins ready in {took():.1f} s")
         self.temperature = collector_temperature(self.plugins.collector)
         self.truncation = collector_truncation(self.plugins.collector)  # score_truncated
         self.data.use_tokenizer(self.models.tokenizer)
         check_reward_columns(self.plugins.rewards, self.data, "data.prompts")
         self.prompts = PromptStream(list(range(len(self.data))), cfg.data.batch_size,
                                     cfg.data.shuffle, cfg.run.seed)
+        self.status.say(f"data: {len(self.prompts.prompts)} prompts from {cfg.data.prompts}, "
+                        f"{cfg.data.batch_size} per step")
         self.evaluator = None
         if self.eval_data is not None:
             self.eval_data.use_tokenizer(self.models.tokenizer)
@@ -152,6 +163,7 @@ class Pipeline:
         self._score_tokens(batch)
         # 3. rewards: every reward plugin, weighted and summed into the sequence score
         self.plugins.rewards(batch)
+        t_score = time.perf_counter() - t0 - t_rollout
         self._check(batch, [S.OLD_LOG_PROB, S.REF_LOG_PROB, S.VALUE, S.SCORE], "rewards")
         batch = self.dist.gather(batch)  # every rank now holds the whole scored rollout
         mask, engine_gap = batch[S.RESPONSE_MASK], self._engine_gap(batch)
@@ -189,12 +201,25 @@ class Pipeline:
             **{f"reward/{k}": to_float(v) for k, v in batch[S.SCORE_PARTS].items()},
             "kl/ref": seq_kl, "kl/coef": coef, **engine_gap, **rollout_metrics, **update_metrics,
             "train/critic_only": int(warmup),
+            **samples.step_stats(batch, kl_tok, self.ctx.max_new_tokens, self.models.critic is not None),
             "response/length": to_float(mask.sum(-1).float()),
             "response/finished_frac": to_float(batch[S.FINISHED].float()),
             "perf/tokens_per_s": float(mask.sum()) / elapsed,
-            "time/rollout_s": t_rollout, "time/update_s": t_update, "time/step_s": elapsed,
+            "time/rollout_s": t_rollout, "time/score_s": t_score, "time/update_s": t_update,
+            "time/step_s": elapsed,
         }
         return batch, metrics
+
+    def _write_samples(self, batch: TensorDict, writer) -> None:
+        """Every ``log.samples_every`` steps: ``samples/step-N.jsonl`` and the sinks' tables."""
+        every = self.cfg.log.samples_every
+        if not every or self.step_count % every:
+            return
+        kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB],
+                                 self.cfg.kl.estimator, self.cfg.kl.clamp) * batch[S.RESPONSE_MASK]
+        rows = samples.sample_rows(batch, kl_tok, self.cfg.log.samples)
+        samples.write_samples(self.run_dir, self.step_count, rows)
+        writer.log_samples(rows, self.step_count)
 
     # ---- checkpoint and resume -------------------------------------------------------------
 
@@ -271,7 +296,11 @@ class Pipeline:
                    for name, module in self._modules().items()}
         state = self.state_dict()
         if self.dist.is_main:
-            checkpoint.save(self.run_dir, self.step_count, weights, state, self.cfg.checkpoint.keep)
+            policy = lambda folder: export.save_policy(  # noqa: E731 - loads without rlpipe
+                self.models.actor, self.models.tokenizer, folder / export.POLICY,
+                self.cfg.models.actor.path)
+            checkpoint.save(self.run_dir, self.step_count, weights, state, self.cfg.checkpoint.keep,
+                            policy)
         self.dist.barrier()
 
     def _restore(self) -> None:
@@ -347,6 +376,7 @@ class Pipeline:
         actor.save_pretrained(final)
         self.models.tokenizer.save_pretrained(final)
 
+    @console.quiet_libraries()
     def train(self) -> Path:
         """Run the remaining steps, append metrics (rank 0), checkpoint, save the final policy.
         Resuming a run whose ``final/`` is at ``run.steps`` already says so and trains nothing.
@@ -373,14 +403,14 @@ class Pipeline:
             if self.evaluator is not None and self.step_count == 0:  # before any update
                 self._write(writer, {"step": 0, **self.evaluator.run(0, self.models.actor)})
             while self.step_count < cfg.run.steps and self.stopped_by is None:
-                _, metrics = self.step()
+                batch, metrics = self.step()
                 if self.evaluator is not None and Evaluator.due(cfg.eval.every, self.step_count,
                                                                 cfg.run.steps):
                     metrics.update(self.evaluator.run(self.step_count, self.models.actor))
                 row = {"step": self.step_count, **metrics}
                 if self.dist.is_main:
                     health.observe(row)  # adds health/<rule> = 1 for the rules that hold
-                self._write(writer, row)
+                self._write(writer, row, batch)
                 self.stopped_by = self._health_stop(health)
                 every = cfg.checkpoint.every
                 if self.stopped_by or (every and (self.step_count % every == 0
@@ -409,12 +439,15 @@ class Pipeline:
             stop = next((n for n in names if votes[n] > 0), None)
         return stop
 
-    def _write(self, writer, row: dict) -> None:
-        """One row of ``metrics.jsonl`` (rank 0); a write error is one line."""
+    def _write(self, writer, row: dict, batch: TensorDict | None = None) -> None:
+        """One row of ``metrics.jsonl`` and, with the step's ``batch``, its samples (rank 0); a
+        write error is one line."""
         if not self.dist.is_main:
             return
         try:
             writer.write(row)
+            if batch is not None:
+                self._write_samples(batch, writer)
         except OSError as exc:
             raise UserError(f"cannot write {self.run_dir / 'metrics.jsonl'} ({exc}); continue "
                             f"with --resume once there is space") from exc

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from rlpipe.core.data import read_jsonl
 from rlpipe.core.errors import UserError
+from rlpipe.core.samples import first_vs_last
 
 
 class Panel(NamedTuple):
@@ -40,17 +41,27 @@ class Panel(NamedTuple):
 
 
 PANELS = (
-    Panel("reward", "Reward (total and per component)", ("reward/score", "reward/"), "mean reward"),
-    Panel("kl", "KL to the reference and its coefficient", ("kl/ref",), "KL per sample",
-          ("kl/coef",), "kl/coef (β)"),
-    Panel("length", "Response length", ("response/length",), "tokens",
-          ("response/finished_frac",), "finished fraction"),
-    Panel("clipfrac", "Policy clip fraction", ("policy/clipfrac",), "fraction of tokens"),
-    Panel("value_loss", "Value loss", ("value/loss",), "loss"),
-    Panel("explained_var", "Value explained variance", ("value/explained_var",), "explained variance"),
+    Panel("reward", "Reward: total and per component (band: ±1 std over samples)",
+          ("reward/score", "reward/"), "reward per sample"),
+    Panel("kl", "KL to the reference and its coefficient", ("kl/ref", "kl/ref_max"),
+          "KL per sample (nats)", ("kl/coef",), "kl/coef (β)"),
+    Panel("policy", "Policy loss and approx-KL", ("policy/loss",), "loss per token",
+          ("policy/approx_kl",), "approx KL (nats per token)"),
+    Panel("clipfrac", "Clip fractions", ("policy/clipfrac", "policy/clipfrac_lower",
+                                         "value/clipfrac"), "fraction of tokens"),
+    Panel("value", "Value loss and explained variance", ("value/loss",), "loss per token",
+          ("value/explained_var",), "explained variance (1 = perfect)"),
+    Panel("length", "Response length", ("response/length", "response/length_p90"), "tokens",
+          ("response/clipped_frac",), "fraction cut at max_new_tokens"),
+    Panel("grad_norm", "Gradient norm before clipping", ("train/grad_norm",
+                                                         "train/critic_grad_norm"), "L2 norm"),
+    Panel("lr", "Learning rate (actor)", ("train/lr",), "learning rate"),
     Panel("entropy", "Policy entropy", ("policy/entropy",), "nats per token"),
     Panel("throughput", "Throughput", ("perf/tokens_per_s",), "response tokens / s"),
+    Panel("eval", "Held-out evaluation", ("eval/score", "eval/"), "mean score per sample"),
 )
+SPREAD = ("/std", "/min", "/max")  # a metric's spread: drawn as a band, never as its own line
+STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))  # line style, marker per series
 
 
 PLOT_LIMIT = 1e300   # larger magnitudes overflow axis scaling: left out, with a warning
@@ -125,29 +136,51 @@ def _expand(patterns: tuple[str, ...], rows: list[dict]) -> list[str]:
     columns = list(dict.fromkeys(key for row in rows for key in row))
     out = []
     for pattern in patterns:
-        matches = [c for c in columns if c.startswith(pattern)] if pattern.endswith("/") else [pattern]
+        matches = ([c for c in columns if c.startswith(pattern) and not c.endswith(SPREAD)]
+                   if pattern.endswith("/") else [pattern])
         out += [c for c in matches if c not in out and _finite(rows, c)]
     return out
 
 
-def _draw(ax, rows: list[dict], panel: Panel) -> None:
-    """Plot ``panel`` on the matplotlib axes ``ax``: left series solid (the first one wider, under
-    the others, so a component equal to the total stays visible), right series dashed."""
+def _plot(ax, rows: list[dict], keys: list[str], first: int, dashed: bool = False) -> list:
+    """One line per key, each with its own colour, style and marker; earlier lines wider, so
+    that a line equal to another stays visible around it; a ``KEY/std`` band where logged."""
     steps = [row["step"] for row in rows]
-    style = {"marker": "o", "markersize": 3} if len(rows) <= 50 else {}
+    lines = []
+    for i, key in enumerate(keys):
+        n = first + i
+        style, marker = STYLES[n % len(STYLES)]
+        values = _series(rows, key)
+        line = ax.plot(steps, values, color=f"C{n}", label=_text(key),
+                       linestyle="--" if dashed else style, linewidth=max(3.2 - 0.8 * i, 1.2),
+                       marker=marker if len(rows) <= 60 else None,
+                       markersize=max(7 - 1.5 * i, 3), zorder=2 + i)[0]
+        lines.append(line)
+        std = _series(rows, key + "/std")
+        if any(math.isfinite(x) for x in std):
+            ax.fill_between(steps, [v - d for v, d in zip(values, std)],
+                            [v + d for v, d in zip(values, std)], color=f"C{n}", alpha=0.15,
+                            linewidth=0, zorder=1)
+    return lines
+
+
+def _draw(ax, rows: list[dict], panel: Panel) -> None:
+    """Plot ``panel`` on the matplotlib axes ``ax``: left series solid or styled, right series
+    dashed on a second axis; whole steps on the x-axis."""
+    from matplotlib.ticker import MaxNLocator
+
     left, right = _expand(panel.left, rows), _expand(panel.right, rows)
-    lines = [ax.plot(steps, _series(rows, k), color=f"C{i}", label=_text(k),
-                     linewidth=3 if i == 0 and len(left) > 1 else 1.5, **style)[0]
-             for i, k in enumerate(left)]
+    lines = _plot(ax, rows, left, 0)
     if right:
         twin = ax.twinx()
-        lines += [twin.plot(steps, _series(rows, k), color=f"C{len(left) + i}", linestyle="--",
-                            label=_text(k), **style)[0] for i, k in enumerate(right)]
+        lines += _plot(twin, rows, right, len(left), dashed=True)
         twin.set_ylabel(panel.right_label)
-    ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel)
+    ax.set(title=panel.title, xlabel="PPO step", ylabel=panel.ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
-    if len(lines) > 1:
-        ax.legend(handles=lines, fontsize="small", loc="best")
+    if len(lines) > 1:  # below the axes: a legend inside could cover a line
+        ax.legend(handles=lines, fontsize="small", loc="upper center", ncol=min(len(lines), 3),
+                  bbox_to_anchor=(0.5, -0.22), frameon=False)
 
 
 def _figure_class():
@@ -160,7 +193,8 @@ def _figure_class():
 
 
 def write_report(run_dir: Path) -> list[Path]:
-    """Write ``run_dir/report/overview.png`` (every panel) and one PNG per panel; returns their paths.
+    """Write ``run_dir/report/overview.png`` (every panel), one PNG per panel and, when the run
+    wrote samples, ``samples.md`` (first vs last step); returns their paths.
 
     Panels whose metrics the run did not log (``value/*`` for critic-free runs) are left out.
     """
@@ -187,6 +221,13 @@ def write_report(run_dir: Path) -> list[Path]:
             fig = Figure(figsize=(6.4, 3.6), layout="constrained")
             _draw(fig.subplots(), rows, panel)
             paths.append(_save(fig, out / f"{panel.name}.png"))
+    page = first_vs_last(run_dir)
+    if page is not None:
+        try:
+            (out / "samples.md").write_text(page, encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"cannot write {out / 'samples.md'}: {exc.strerror or exc}") from None
+        paths.append(out / "samples.md")
     return paths
 
 
@@ -218,6 +259,8 @@ def summary(run_dir: Path) -> str:
         best = max(score, key=lambda p: p[1])
         lines.append(f"reward/score       {score[0][1]:.4g} -> {score[-1][1]:.4g}"
                      f"  (best {best[1]:.4g} at step {best[0]})")
+    if held := _finite(rows, "eval/score"):
+        lines.append(f"eval/score         {held[0][1]:.4g} -> {held[-1][1]:.4g}  (held-out)")
     if kl := _finite(rows, "kl/ref"):
         lines.append(f"kl/ref             {kl[-1][1]:.4g} (final)")
     if tps := _finite(rows, "perf/tokens_per_s"):

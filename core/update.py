@@ -52,6 +52,7 @@ class Updater:
         self.shuffle = torch.Generator().manual_seed(cfg.run.seed)
         self.bad_in_a_row = 0
         self.bad_terms: list[str] = []  # non-finite loss_* entries of this minibatch
+        self.grad_norms: dict[str, list[float]] = {}  # pre-clip norms of this step's optimizer steps
 
     def _micro_step(self, micro: TensorDict) -> TensorDict:
         """Forward the current models on one micro-batch as the loss's contract asks, run the
@@ -93,6 +94,8 @@ class Updater:
         norms = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in norms]  # FSDP
         finite = math.isfinite(loss_total) and all(bool(torch.isfinite(x)) for x in norms)
         if finite:
+            for name, norm in zip(names, norms):
+                self.grad_norms.setdefault(name, []).append(float(norm))
             for name in names:
                 self.opts[name].step()
                 self.scheds[name].step()
@@ -204,7 +207,9 @@ class Updater:
         ``loss/*`` averaged over minibatches and the loss module's other metrics reduced as its
         contract declares (token- or sequence-weighted over all micro-batches and ranks, or
         pooled), so that neither depends on how the batch is split. Skipped (non-finite)
-        minibatches are left out of both."""
+        minibatches are left out of both, and of ``train/grad_norm`` and
+        ``train/critic_grad_norm``: the mean pre-clip gradient norms of the optimizer steps."""
+        self.grad_norms = {}
         with checkpointing(self.models.actor, self.models.critic):  # no-op unless enabled
             losses, parts, done, skipped, stopped = self._epochs(batch, train_actor, kl_coef)
         losses, parts = self.dist.mean(losses), self._rank_mean(parts)
@@ -213,6 +218,8 @@ class Updater:
         metrics.update(finish(parts, self.contract))
         metrics.update({"train/skipped_minibatches": skipped, "train/early_stopped": int(stopped),
                         "train/lr": self.scheds["actor"].get_last_lr()[0]})
+        names = {"actor": "train/grad_norm", "critic": "train/critic_grad_norm"}
+        metrics.update({names[k]: sum(v) / len(v) for k, v in self.grad_norms.items()})
         return metrics
 
     def apply_learning_rates(self, train) -> None:

@@ -16,8 +16,8 @@ from rlpipe.core.metrics import MetricsWriter
 from rlpipe.core.report import summary, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_PANELS = {"overview", "reward", "kl", "length", "clipfrac", "value_loss", "explained_var",
-              "entropy", "throughput"}
+ALL_PANELS = {"overview", "reward", "kl", "policy", "clipfrac", "value", "length", "grad_norm",
+              "lr", "entropy", "throughput"}
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +246,51 @@ def test_report_file_in_place_of_the_report_dir(tmp_path):
     (run / "report").write_text("mine")
     assert "report exists and is not a directory" in cli_error(run)
     assert (run / "report").read_text() == "mine"
+
+
+def test_samples_page_puts_first_and_last_step_side_by_side(run_dir):
+    paths = write_report(run_dir)
+    page = (run_dir / "report" / "samples.md").read_text()
+    assert run_dir / "report" / "samples.md" in paths
+    assert "## Training samples: step 1 vs step 3" in page
+    first = [json.loads(x) for x in (run_dir / "samples" / "step-1.jsonl").read_text().splitlines()]
+    last = [json.loads(x) for x in (run_dir / "samples" / "step-3.jsonl").read_text().splitlines()]
+    table = [line for line in page.splitlines() if line.startswith("| 1 |")]
+    assert len(table) == 1
+    assert first[0]["prompt"].strip() in table[0] and last[0]["prompt"].strip() in table[0]
+    assert "Held-out" not in page
+
+
+def test_eval_samples_and_metrics_are_shown_when_present(tmp_path):
+    run = write_rows(tmp_path / "run", [{"step": s, "reward/score": 0.1 * s, "eval/score": 0.2 * s}
+                                        for s in (1, 2, 3)])
+    (run / "samples").mkdir()
+    for step in (1, 3):
+        (run / "samples" / f"eval-step-{step}.jsonl").write_text(
+            json.dumps({"prompt": "2+2=", "response": f"answer {step}", "score": step}) + "\n")
+    paths = write_report(run)
+    assert {p.stem for p in paths if p.suffix == ".png"} == {"overview", "reward", "eval"}
+    assert "eval/score         0.2 -> 0.6  (held-out)" in summary(run)
+    page = (run / "report" / "samples.md").read_text()
+    assert "## Held-out samples: step 1 vs step 3" in page and "| 1 | 2+2= | answer 1 | 1 | 2+2= | answer 3 | 3 |" in page
+
+
+def test_whole_steps_and_no_line_hidden_under_an_equal_one(tmp_path):
+    """Equal series (the score of a single reward) differ in style and width; ticks are steps."""
+    from matplotlib.figure import Figure
+
+    from rlpipe.core.report import PANELS, _draw, load_metrics
+
+    run = write_rows(tmp_path / "run", [{"step": s, "reward/score": 1.0 * s, "reward/a": 1.0 * s,
+                                         "reward/score/std": 0.5, "reward/a/std": 0.5}
+                                        for s in (1, 2, 3, 4)])
+    ax = Figure().subplots()
+    _draw(ax, load_metrics(run), PANELS[0])
+    score, part = ax.get_lines()
+    assert [score.get_label(), part.get_label()] == ["reward/score", "reward/a"]  # no std lines
+    assert score.get_linewidth() > part.get_linewidth() and score.get_zorder() < part.get_zorder()
+    assert score.get_linestyle() != part.get_linestyle() and score.get_marker() != part.get_marker()
+    assert len(ax.collections) == 2  # the two std bands
+    ticks = [t for t in ax.get_xticks() if 1 <= t <= 4]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    assert ax.get_xlabel() == "PPO step" and ax.get_ylabel()

@@ -127,7 +127,7 @@ def pruning(delete_first: bool):
             path = Path(path)
             if path.name.startswith(".trash-step") and (path.exists() or not delete_first):
                 if delete_first:
-                    next(path.iterdir()).unlink()
+                    next(p for p in path.iterdir() if p.is_file()).unlink()
                 raise Killed
             return real(path, *args, **kwargs)
         mp.setattr(checkpoint.shutil, "rmtree", rmtree)

@@ -44,6 +44,7 @@ from rlpipe.core.build import (apply_lora, make_optimizer, resolve_device, seed_
                                trainable)
 from rlpipe.core import rundir
 from rlpipe.core.config import LoraConfig, build_section, read_config_file
+from rlpipe.core.console import quiet_libraries
 from rlpipe.core.data import read_jsonl
 from rlpipe.core.errors import UserError
 from rlpipe.core.hub import ModelPath
@@ -260,6 +261,7 @@ class RewardModelTrainer:
         self.tokenizer.save_pretrained(self.out_dir)
 
 
+@quiet_libraries()  # transformers' own bars would cut through the train-rm bar
 def train_reward_model(cfg: RMConfig, overwrite: bool = False, progress: bool = True) -> Path:
     """Train and save a reward model as ``cfg`` says; returns the output folder."""
     return RewardModelTrainer(cfg, overwrite=overwrite, progress=progress).train()
