@@ -29,6 +29,7 @@ from torch import nn
 
 from rlpipe.core.errors import UserError
 from rlpipe.core.model_files import check_model_dir, check_remote_code, check_weights, loading
+from rlpipe.core.ops import token_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -199,13 +200,6 @@ def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim, without a second full-vocab softmax copy."""
-    logz = torch.logsumexp(logits, dim=-1, keepdim=True)
-    probs = torch.exp(logits - logz)
-    return (logz.squeeze(-1) - (probs * logits).sum(-1))
-
-
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                       temperature: float = 1.0, with_entropy: bool = False,
                       entropy_grad: bool = True):
@@ -218,14 +212,10 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     kwargs = {"logits_to_keep": R + 1} if _accepts_logits_to_keep(model) else {}
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
                    **kwargs).logits
-    logits = logits[:, -(R + 1):-1].float() / (temperature if temperature > 0 else 1.0)
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
-    logp = logp * response_mask
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits) * response_mask
-    return logp, entropy
+    logp, entropy = token_logprobs(logits, response_ids, logits.shape[1] - (R + 1),
+                                   temperature if temperature > 0 else 1.0, with_entropy,
+                                   entropy_grad)
+    return logp * response_mask, None if entropy is None else entropy * response_mask
 
 
 def response_values(critic: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask):
