@@ -29,7 +29,7 @@ from torch import nn
 
 from rlpipe.core.errors import UserError
 from rlpipe.core.model_files import check_model_dir, check_remote_code, check_weights, loading
-from rlpipe.core.ops import token_logprobs
+from rlpipe.core.ops import pad_positions, token_logprobs, trim_padding
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -206,7 +206,10 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     """log pi(a_t|s_t) for each response token, [B, R] float32 (0 on padding), and optionally
     the per-token entropy (without a graph when ``entropy_grad`` is False: a metric only, which
     spares autograd a saved [B, R, vocab] tensor). Temperature 0 (greedy) scores with
-    temperature 1."""
+    temperature 1. Columns that are padding in every row are not run (`trim_padding`)."""
+    width = response_ids.shape[1]
+    prompt_ids, prompt_mask, response_ids, response_mask = trim_padding(
+        prompt_ids, prompt_mask, response_ids, response_mask)
     ids, mask, pos = _joined(prompt_ids, prompt_mask, response_ids, response_mask)
     R = response_ids.shape[1]
     kwargs = {"logits_to_keep": R + 1} if _accepts_logits_to_keep(model) else {}
@@ -215,15 +218,20 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     logp, entropy = token_logprobs(logits, response_ids, logits.shape[1] - (R + 1),
                                    temperature if temperature > 0 else 1.0, with_entropy,
                                    entropy_grad)
-    return logp * response_mask, None if entropy is None else entropy * response_mask
+    entropy = None if entropy is None else entropy * response_mask
+    return pad_positions(logp * response_mask, width), pad_positions(entropy, width)
 
 
 def response_values(critic: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask):
-    """V(s_t) for each response token (the state before token t is produced), [B, R], 0 on padding."""
+    """V(s_t) for each response token (the state before token t is produced), [B, R], 0 on
+    padding. Columns that are padding in every row are not run (`trim_padding`)."""
+    width = response_ids.shape[1]
+    prompt_ids, prompt_mask, response_ids, response_mask = trim_padding(
+        prompt_ids, prompt_mask, response_ids, response_mask)
     ids, mask, pos = _joined(prompt_ids, prompt_mask, response_ids, response_mask)
     R = response_ids.shape[1]
     values = critic(input_ids=ids, attention_mask=mask, position_ids=pos)
-    return values[:, -(R + 1):-1] * response_mask
+    return pad_positions(values[:, -(R + 1):-1] * response_mask, width)
 
 
 def logprobs_and_values(actor, critic: ValueModel | None, inputs: list, temperature: float = 1.0,
@@ -235,6 +243,7 @@ def logprobs_and_values(actor, critic: ValueModel | None, inputs: list, temperat
     if critic is None or not critic.shared:
         logp, entropy = response_logprobs(actor, *inputs, **kwargs)
         return logp, entropy, None if critic is None else response_values(critic, *inputs)
+    width, inputs = inputs[2].shape[1], trim_padding(*inputs)
     seen = []
     hook = critic.backbone.register_forward_hook(lambda module, args, out: seen.append(out))
     try:
@@ -243,4 +252,5 @@ def logprobs_and_values(actor, critic: ValueModel | None, inputs: list, temperat
         hook.remove()
     R, response_mask = inputs[2].shape[1], inputs[3]
     values = critic.values(seen[-1].last_hidden_state[:, -(R + 1):-1])
-    return logp, entropy, values * response_mask
+    return (pad_positions(logp, width), pad_positions(entropy, width),
+            pad_positions(values * response_mask, width))

@@ -149,3 +149,37 @@ class _TokenLogprobs(torch.autograd.Function):
                 chunk = chunk / t_
             grad[b, pos] = chunk
         return grad, None, None, None, None
+
+
+def trim_padding(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                 response_mask: torch.Tensor) -> list[torch.Tensor]:
+    """The four inputs of a forward without the prompt columns that are padding in every row
+    (prompts are left-padded) and the response columns that are padding in every row (responses
+    are right-padded); at least one response column stays. A micro-batch cut from a larger batch
+    is padded to the whole batch's longest prompt and response: these columns change no real
+    token's output (they are masked keys, after every real token or before it with the same
+    position ids) and cost a full forward and backward.
+
+    >>> pm = torch.tensor([[False, False, True], [False, True, True]])
+    >>> rm = torch.tensor([[True, False, False], [True, True, False]])
+    >>> [tuple(x.shape) for x in trim_padding(pm.long(), pm, rm.long(), rm)]
+    [(2, 2), (2, 2), (2, 2), (2, 2)]
+    """
+    used = prompt_mask.any(0)
+    start = int(used.long().argmax()) if bool(used.any()) else prompt_mask.shape[1]
+    used = response_mask.any(0)
+    end = max(1, int(torch.where(used, torch.arange(len(used), device=used.device) + 1, 0).max()))
+    return [prompt_ids[:, start:], prompt_mask[:, start:], response_ids[:, :end],
+            response_mask[:, :end]]
+
+
+def pad_positions(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    """``x`` [B, r] zero-padded on the right to [B, width] (the inverse of `trim_padding` for
+    a per-token output that is 0 on padding); None stays None.
+
+    >>> pad_positions(torch.ones(1, 2), 3).tolist()
+    [[1.0, 1.0, 0.0]]
+    """
+    if x is None or x.shape[1] == width:
+        return x
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
