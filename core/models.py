@@ -29,6 +29,7 @@ from torch import nn
 
 from rlpipe.core.errors import UserError
 from rlpipe.core.model_files import check_model_dir, check_remote_code, check_weights, loading
+from rlpipe.core.ops import pad_positions, token_logprobs, trim_padding
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -199,13 +200,6 @@ def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim, without a second full-vocab softmax copy."""
-    logz = torch.logsumexp(logits, dim=-1, keepdim=True)
-    probs = torch.exp(logits - logz)
-    return (logz.squeeze(-1) - (probs * logits).sum(-1))
-
-
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                       temperature: float = 1.0, with_entropy: bool = False,
                       entropy_grad: bool = True, truncation=None):
@@ -213,31 +207,34 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     the per-token entropy (without a graph when ``entropy_grad`` is False: a metric only, which
     spares autograd a saved [B, R, vocab] tensor). Temperature 0 (greedy) scores with
     temperature 1. ``truncation`` (a `rlpipe.core.truncation.Truncation`): score under the
-    sampler's top-k / top-p distribution, renormalised (the entropy stays the full one's)."""
+    sampler's top-k / top-p distribution, renormalised (the entropy stays the full one's).
+    Columns that are padding in every row are not run (`trim_padding`)."""
+    width = response_ids.shape[1]
+    prompt_ids, prompt_mask, response_ids, response_mask = trim_padding(
+        prompt_ids, prompt_mask, response_ids, response_mask)
     ids, mask, pos = _joined(prompt_ids, prompt_mask, response_ids, response_mask)
     R = response_ids.shape[1]
     kwargs = {"logits_to_keep": R + 1} if _accepts_logits_to_keep(model) else {}
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
                    **kwargs).logits
-    logits = logits[:, -(R + 1):-1].float() / (temperature if temperature > 0 else 1.0)
-    if truncation is not None:
-        logp = truncation.log_prob(logits, response_ids)
-    else:
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
-    logp = logp * response_mask
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits) * response_mask
-    return logp, entropy
+    start, scale = logits.shape[1] - (R + 1), temperature if temperature > 0 else 1.0
+    logp, entropy = token_logprobs(logits, response_ids, start, scale, with_entropy, entropy_grad)
+    if truncation is not None:  # the kept set needs the whole [B, R, vocab] slice
+        logp = truncation.log_prob(logits[:, start:start + R].float() / scale, response_ids)
+    entropy = None if entropy is None else entropy * response_mask
+    return pad_positions(logp * response_mask, width), pad_positions(entropy, width)
 
 
 def response_values(critic: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask):
-    """V(s_t) for each response token (the state before token t is produced), [B, R], 0 on padding."""
+    """V(s_t) for each response token (the state before token t is produced), [B, R], 0 on
+    padding. Columns that are padding in every row are not run (`trim_padding`)."""
+    width = response_ids.shape[1]
+    prompt_ids, prompt_mask, response_ids, response_mask = trim_padding(
+        prompt_ids, prompt_mask, response_ids, response_mask)
     ids, mask, pos = _joined(prompt_ids, prompt_mask, response_ids, response_mask)
     R = response_ids.shape[1]
     values = critic(input_ids=ids, attention_mask=mask, position_ids=pos)
-    return values[:, -(R + 1):-1] * response_mask
+    return pad_positions(values[:, -(R + 1):-1] * response_mask, width)
 
 
 def logprobs_and_values(actor, critic: ValueModel | None, inputs: list, temperature: float = 1.0,
@@ -250,6 +247,7 @@ def logprobs_and_values(actor, critic: ValueModel | None, inputs: list, temperat
     if critic is None or not critic.shared:
         logp, entropy = response_logprobs(actor, *inputs, **kwargs)
         return logp, entropy, None if critic is None else response_values(critic, *inputs)
+    width, inputs = inputs[2].shape[1], trim_padding(*inputs)
     seen = []
     hook = critic.backbone.register_forward_hook(lambda module, args, out: seen.append(out))
     try:
@@ -258,4 +256,5 @@ def logprobs_and_values(actor, critic: ValueModel | None, inputs: list, temperat
         hook.remove()
     R, response_mask = inputs[2].shape[1], inputs[3]
     values = critic.values(seen[-1].last_hidden_state[:, -(R + 1):-1])
-    return logp, entropy, values * response_mask
+    return (pad_positions(logp, width), pad_positions(entropy, width),
+            pad_positions(values * response_mask, width))

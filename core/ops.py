@@ -66,3 +66,120 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """
     positions = torch.arange(mask.shape[-1], device=mask.device)
     return torch.where(mask, positions, -1).amax(dim=-1)
+
+
+# Elements of one [rows, vocab] chunk in `token_logprobs`: 4 Mi floats (16 MiB in float32),
+# small enough for the cache-friendly passes, large enough that the Python loop costs nothing.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, start: int, temperature: float = 1.0,
+                   with_entropy: bool = False, entropy_grad: bool = False):
+    """``log softmax(logits[:, start + t] / temperature)[ids[:, t]]`` for each of the
+    ``R = ids.shape[1]`` positions, [B, R] float32, and optionally the entropy of each of those
+    distributions. The same numbers as ``log_softmax(...).gather(...)`` (the same per-row
+    kernels), computed chunk by chunk over rows: no [B, R, vocab] tensor is made besides
+    ``logits`` itself and, in backward, its gradient (written straight into one buffer of
+    ``logits``' shape). The entropy has a gradient only with ``entropy_grad``.
+
+    >>> logits = torch.tensor([[[0.0, 1.0, 2.0], [1.0, 1.0, 1.0], [5.0, 0.0, 0.0]]])
+    >>> logp, ent = token_logprobs(logits, torch.tensor([[2, 0]]), start=0, with_entropy=True)
+    >>> logp.shape, round(ent[0, 1].item(), 4), round(float(torch.log(torch.tensor(3.0))), 4)
+    (torch.Size([1, 2]), 1.0986, 1.0986)
+    """
+    logp, entropy = _TokenLogprobs.apply(logits, ids, start, temperature, with_entropy)
+    if with_entropy and not (entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy.detach()
+    return logp, (entropy if with_entropy else None)
+
+
+def _chunks(logits: torch.Tensor, ids: torch.Tensor, start: int):
+    """(b, positions slice) blocks of ``ids``' positions, each at most `CHUNK_ELEMENTS` logits."""
+    rows = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    for b in range(ids.shape[0]):
+        for t in range(0, ids.shape[1], rows):
+            end = min(t + rows, ids.shape[1])
+            yield b, slice(t, end), slice(start + t, start + end)
+
+
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    x = x.float()
+    return x / temperature if temperature != 1.0 else x
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Forward and backward of `token_logprobs`; backward recomputes each chunk's softmax."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, start, temperature, with_entropy):
+        B, R = ids.shape
+        logp = logits.new_empty((B, R), dtype=torch.float32)
+        entropy = logits.new_zeros((B, R), dtype=torch.float32)
+        for b, t, pos in _chunks(logits, ids, start):
+            x = _scaled(logits[b, pos], temperature)
+            lsm = torch.log_softmax(x, dim=-1)
+            logp[b, t] = lsm.gather(-1, ids[b, t].unsqueeze(-1)).squeeze(-1)
+            if with_entropy:  # log Z - sum p x: no second full-vocab softmax copy
+                logz = torch.logsumexp(x, dim=-1, keepdim=True)
+                entropy[b, t] = logz.squeeze(-1) - (torch.exp(x - logz) * x).sum(-1)
+        ctx.save_for_backward(logits, ids, entropy)
+        ctx.start, ctx.temperature = start, temperature
+        ctx.mark_non_differentiable(ids)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, ids, entropy = ctx.saved_tensors
+        t_ = ctx.temperature
+        grad = torch.empty_like(logits)
+        R = ids.shape[1]
+        grad[:, :ctx.start].zero_()  # positions that were not scored
+        grad[:, ctx.start + R:].zero_()
+        for b, t, pos in _chunks(logits, ids, ctx.start):
+            x = _scaled(logits[b, pos], t_)
+            lsm = torch.log_softmax(x, dim=-1)
+            # autograd's own backward of gather then log_softmax, on this chunk alone
+            onehot = torch.zeros_like(lsm).scatter_(-1, ids[b, t].unsqueeze(-1),
+                                                    grad_logp[b, t].unsqueeze(-1))
+            chunk = torch.ops.aten._log_softmax_backward_data(onehot, lsm, -1, lsm.dtype)
+            if grad_entropy is not None:  # dH / dx = -p * (log p + H)
+                h = entropy[b, t].unsqueeze(-1)
+                chunk -= torch.exp(lsm) * (lsm + h) * grad_entropy[b, t].unsqueeze(-1)
+            if t_ != 1.0:
+                chunk = chunk / t_
+            grad[b, pos] = chunk
+        return grad, None, None, None, None
+
+
+def trim_padding(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                 response_mask: torch.Tensor) -> list[torch.Tensor]:
+    """The four inputs of a forward without the prompt columns that are padding in every row
+    (prompts are left-padded) and the response columns that are padding in every row (responses
+    are right-padded); at least one response column stays. A micro-batch cut from a larger batch
+    is padded to the whole batch's longest prompt and response: these columns change no real
+    token's output (they are masked keys, after every real token or before it with the same
+    position ids) and cost a full forward and backward.
+
+    >>> pm = torch.tensor([[False, False, True], [False, True, True]])
+    >>> rm = torch.tensor([[True, False, False], [True, True, False]])
+    >>> [tuple(x.shape) for x in trim_padding(pm.long(), pm, rm.long(), rm)]
+    [(2, 2), (2, 2), (2, 2), (2, 2)]
+    """
+    used = prompt_mask.any(0)
+    start = int(used.long().argmax()) if bool(used.any()) else prompt_mask.shape[1]
+    used = response_mask.any(0)
+    end = max(1, int(torch.where(used, torch.arange(len(used), device=used.device) + 1, 0).max()))
+    return [prompt_ids[:, start:], prompt_mask[:, start:], response_ids[:, :end],
+            response_mask[:, :end]]
+
+
+def pad_positions(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    """``x`` [B, r] zero-padded on the right to [B, width] (the inverse of `trim_padding` for
+    a per-token output that is 0 on padding); None stays None.
+
+    >>> pad_positions(torch.ones(1, 2), 3).tolist()
+    [[1.0, 1.0, 0.0]]
+    """
+    if x is None or x.shape[1] == width:
+        return x
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))

@@ -88,9 +88,9 @@ class Updater:
 
     def _optimizer_step(self, train_actor: bool, loss_total: float) -> bool:
         """Clip, check for non-finite values, step. Returns False when the minibatch was skipped."""
-        max_norm = self.cfg.train.max_grad_norm or float("inf")
+        max_norm = self.cfg.train.max_grad_norm
         names = [n for n in self.opts if n != "actor" or train_actor]
-        norms = [torch.nn.utils.clip_grad_norm_(self.params[n], max_norm) for n in names]
+        norms = [grad_norm(self.params[n], max_norm) for n in names]
         norms = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in norms]  # FSDP
         finite = math.isfinite(loss_total) and all(bool(torch.isfinite(x)) for x in norms)
         if finite:
@@ -256,6 +256,21 @@ class Updater:
             self.scheds[k].load_state_dict(state["scheds"][k])
         self.shuffle.set_state(state["shuffle"])
         self.bad_in_a_row = int(state["bad_in_a_row"])
+
+
+def grad_norm(params: list, max_norm: float | None) -> torch.Tensor:
+    """The total gradient norm of ``params``, after clipping the gradients to ``max_norm``
+    (`torch.nn.utils.clip_grad_norm_`). ``None``: the norm alone, for the finiteness check; the
+    gradients are left as they are (clipping to infinity would multiply every gradient by 1, a
+    full extra pass over them).
+
+    >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
+    >>> grad_norm([w], None).item(), w.grad.tolist()
+    (5.0, [3.0, 4.0])
+    """
+    if max_norm is not None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
 
 def _checked_contract(cfg, models, loss) -> LossContract:

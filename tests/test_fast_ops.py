@@ -1,0 +1,187 @@
+"""The update's and scoring's speed-ups change no result beyond float32 round-off:
+
+- `token_logprobs` (chunked log-softmax + gather + entropy, its own backward) against autograd
+  through ``log_softmax(...).gather(...)``: bit-identical log-probs, entropies and gradients
+  (the same kernels row by row), and against a float64 oracle; the entropy gradient, which has
+  its own formula, against float64 autograd.
+- `trim_padding` in the forwards: a micro-batch with columns that are padding in every row
+  gives the outputs and parameter gradients of the untrimmed forward (float64 models, so the
+  comparison is exact up to float64 round-off).
+- `grad_norm` with ``max_grad_norm: null``: the norm `clip_grad_norm_(inf)` returns, gradients
+  untouched (bit for bit what the multiply by 1 left).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlpipe.core import ops
+from rlpipe.core.models import ValueModel, logprobs_and_values, response_logprobs, response_values
+from rlpipe.core.ops import pad_positions, token_logprobs, trim_padding
+from rlpipe.core.update import grad_norm
+
+
+def autograd_reference(logits, ids, start, temperature, entropy_grad):
+    """The code token_logprobs replaced: slice, scale, log_softmax, gather; entropy as
+    logsumexp - sum p x, all through autograd."""
+    R = ids.shape[1]
+    x = logits[:, start:start + R].float() / temperature
+    logp = torch.log_softmax(x, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    with torch.set_grad_enabled(entropy_grad):
+        logz = torch.logsumexp(x, dim=-1, keepdim=True)
+        entropy = logz.squeeze(-1) - (torch.exp(x - logz) * x).sum(-1)
+    return logp, entropy
+
+
+def float64_oracle(logits, ids, start, temperature):
+    """Plain float64 formulas, written out: log p = x - max - log sum exp(x - max)."""
+    R = ids.shape[1]
+    x = logits[:, start:start + R].double() / temperature
+    shifted = x - x.max(-1, keepdim=True).values
+    logp_all = shifted - shifted.exp().sum(-1, keepdim=True).log()
+    return logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
+@pytest.fixture(params=[(1.0, 1 << 22), (0.7, 1 << 22), (1.0, 300)], ids=["t1", "t0.7", "chunks"])
+def setup(request, monkeypatch):
+    temperature, chunk = request.param
+    monkeypatch.setattr(ops, "CHUNK_ELEMENTS", chunk)  # 300: 3 rows of 97 per chunk, ragged
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 9, 97, generator=gen) * 4
+    ids = torch.randint(97, (3, 7), generator=gen)
+    return logits, ids, 1, temperature
+
+
+def test_token_logprobs_is_bit_identical_to_log_softmax_gather(setup):
+    logits, ids, start, temperature = setup
+    g = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    want_logp, want_ent = autograd_reference(a, ids, start, temperature, entropy_grad=False)
+    logp, ent = token_logprobs(b, ids, start, temperature, with_entropy=True)
+    (want_logp * g).sum().backward()
+    (logp * g).sum().backward()
+    assert torch.equal(logp, want_logp) and torch.equal(ent, want_ent)
+    assert torch.equal(b.grad, a.grad)
+    assert not ent.requires_grad
+    oracle_logp, oracle_ent = float64_oracle(logits, ids, start, temperature)
+    torch.testing.assert_close(logp.double(), oracle_logp, rtol=1e-6, atol=1e-5)
+    # log Z - sum p x subtracts two numbers of the size of the logits (~20 here): float32
+    # round-off of that size, the same in the code it replaced
+    torch.testing.assert_close(ent.double(), oracle_ent, rtol=1e-6, atol=1e-4)
+
+
+def test_entropy_gradient_matches_float64_autograd(setup):
+    logits, ids, start, temperature = setup
+    gen = torch.Generator().manual_seed(2)
+    g, h = torch.randn(ids.shape, generator=gen), torch.randn(ids.shape, generator=gen)
+    ref = logits.double().requires_grad_()
+    want_logp, want_ent = autograd_reference(ref, ids, start, temperature, entropy_grad=True)
+    ((want_logp * g).sum() + (want_ent * h).sum()).backward()
+    got = logits.clone().requires_grad_()
+    logp, ent = token_logprobs(got, ids, start, temperature, with_entropy=True, entropy_grad=True)
+    ((logp * g).sum() + (ent * h).sum()).backward()
+    torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_logits_get_a_bfloat16_gradient_like_autograd():
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(2, 5, 64, generator=gen) * 3).bfloat16()
+    ids = torch.randint(64, (2, 4), generator=gen)
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    autograd_reference(a, ids, 0, 1.0, False)[0].sum().backward()
+    logp, _ = token_logprobs(b, ids, 0)
+    logp.sum().backward()
+    assert logp.dtype == torch.float32 and b.grad.dtype == torch.bfloat16
+    assert torch.equal(b.grad, a.grad)
+
+
+def double_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).double().eval()
+
+
+def padded_inputs():
+    """A micro-batch cut from a larger batch: 2 all-pad prompt columns on the left, 3 all-pad
+    response columns on the right, and ragged rows inside."""
+    prompt_mask = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.bool)
+    response_mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    gen = torch.Generator().manual_seed(4)
+    prompt_ids = torch.where(prompt_mask, torch.randint(3, 40, (2, 5), generator=gen), 0)
+    response_ids = torch.where(response_mask, torch.randint(3, 40, (2, 6), generator=gen), 0)
+    return [prompt_ids, prompt_mask, response_ids, response_mask]
+
+
+def untrimmed(model, critic, inputs):
+    """The forward without trimming, written out: joined ids, cumsum positions, full logits
+    (log-probs in float32, as rlpipe computes them from any model)."""
+    prompt_ids, prompt_mask, response_ids, response_mask = inputs
+    ids = torch.cat([prompt_ids, response_ids], 1)
+    mask = torch.cat([prompt_mask, response_mask], 1).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    R = response_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -(R + 1):-1]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+    values = critic(input_ids=ids, attention_mask=mask, position_ids=pos)[:, -(R + 1):-1]
+    return logp * response_mask, values * response_mask
+
+
+def test_trim_padding_drops_only_all_padding_columns():
+    trimmed = trim_padding(*padded_inputs())
+    assert [tuple(x.shape) for x in trimmed] == [(2, 3), (2, 3), (2, 3), (2, 3)]
+    assert trimmed[1].any(0).all() and trimmed[3].any(0).all()
+    assert pad_positions(torch.ones(2, 3), 6)[:, 3:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["critic", "shared-backbone"])
+def test_trimmed_forward_matches_the_untrimmed_one(shared):
+    actor = double_llama()
+    critic = ValueModel.from_actor(actor, shared=shared).double()
+    inputs = padded_inputs()
+    logp, _, values = logprobs_and_values(actor, critic, inputs, with_entropy=True)
+    assert logp.shape == values.shape == inputs[3].shape
+    (logp.sum() + values.sum()).backward()
+    got = {n: p.grad.clone() for n, p in [*actor.named_parameters(), *critic.named_parameters()]
+           if p.grad is not None}
+    actor.zero_grad(), critic.zero_grad()
+    want_logp, want_values = untrimmed(actor, critic, inputs)
+    (want_logp.sum() + want_values.sum()).backward()
+    torch.testing.assert_close(logp, want_logp.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(values, want_values.float(), rtol=0, atol=1e-6)
+    for name, p in [*actor.named_parameters(), *critic.named_parameters()]:
+        if p.grad is not None or name in got:
+            # float32 round-off: the log-probs and values are float32 (as in rlpipe) and their
+            # gradients flow back through that cast into the float64 weights
+            scale = float(p.grad.abs().max())
+            assert torch.allclose(got[name], p.grad, rtol=1e-5, atol=1e-6 * scale), name
+
+
+def test_reference_and_value_passes_trim_too():
+    actor = double_llama()
+    critic = ValueModel.from_actor(actor).double()
+    inputs = padded_inputs()
+    want_logp, want_values = untrimmed(actor, critic, inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(response_logprobs(actor, *inputs)[0], want_logp.float(),
+                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(response_values(critic, *inputs), want_values.float(),
+                                   rtol=0, atol=1e-6)
+
+
+def test_grad_norm_without_clipping_leaves_gradients_bit_identical():
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(50, generator=gen)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(50, generator=gen)
+    copies = [p.grad.clone() for p in params]
+    norm = grad_norm(params, None)
+    assert all(torch.equal(p.grad, c) for p, c in zip(params, copies))
+    want = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+    assert torch.equal(norm, want)
+    assert all(torch.equal(p.grad, c) for p, c in zip(params, copies))  # the multiply by 1
+    torch.testing.assert_close(norm.double(), torch.cat(copies).double().norm(), rtol=1e-6, atol=0)
+    clipped = grad_norm(params, 1.0)
+    assert torch.equal(clipped, want) and torch.cat([p.grad for p in params]).norm() < 1.0 + 1e-5
