@@ -97,7 +97,8 @@ class Pipeline:
         check_reward_columns(self.plugins.rewards, self.data, "data.prompts")
         self.prompts = PromptStream(list(range(len(self.data))), cfg.data.batch_size,
                                     cfg.data.shuffle, cfg.run.seed)
-        self.status.say(f"data: {len(self.prompts.prompts)} prompts from {cfg.data.prompts}, "
+        origin = cfg.data.prompts if dataset is None else "the dataset= object"
+        self.status.say(f"data: {len(self.prompts.prompts)} prompts from {origin}, "
                         f"{cfg.data.batch_size} per step")
         self.evaluator = None
         if self.eval_data is not None:
