@@ -116,9 +116,9 @@ def sample_and_score(pipe) -> Mismatch:
     collector = pipe.plugins.collector
     with _restored(pipe):
         pipe.models.actor.eval()
-        prompts = _share(pipe.prompts.next_batch(), pipe.dist.rank, pipe.dist.world)
-        batch = guards.check_output(registry.call(collector.collect, prompts), collector,
-                                    required=(*_INPUTS, S.GROUP_ID, S.FINISHED))
+        rows = _share(pipe.prompts.next_batch(), pipe.dist.rank, pipe.dist.world)
+        batch = guards.check_output(registry.call(collector.collect, pipe.data.texts(rows)),
+                                    collector, required=(*_INPUTS, S.GROUP_ID, S.FINISHED))
     if S.ENGINE_LOG_PROB not in batch.keys():
         raise UserError(f"preflight: {registry.label_of(collector)} reports no "
                         f"{S.ENGINE_LOG_PROB!r}; there is nothing to compare the trainer with")

@@ -106,6 +106,13 @@ def _read_local(path: Path, split: str, key: str, datasets):
                         f"{', '.join(FORMATS)}, a save_to_disk folder or a Hub dataset name")
     if path.stat().st_size == 0:
         raise UserError(f"{key}: {path} is empty (no rows)")
+    if suffix != ".parquet":  # pyarrow reads bad UTF-8 lazily and fails later, without a line
+        from rlpipe.core.data import read_text
+
+        try:
+            read_text(path)
+        except UserError as exc:
+            raise UserError(f"{key}: {exc}") from None
     try:
         return datasets.load_dataset(FORMATS[suffix], data_files=str(path), split="train")
     except Exception as exc:  # noqa: BLE001 - pyarrow/pandas errors: name the file (and line)

@@ -48,7 +48,7 @@ def test_evaluation_runs_at_step_zero_every_k_and_the_last_step(runs):
     assert with_eval == [0, 2, 3]
     assert set(rows[0]) == {"step", "eval/score", "eval/reward/length", "eval/reward/loop",
                             "eval/response/length", "time/eval_s"}
-    files = sorted(p.name for p in (run_dir / "samples").iterdir())
+    files = sorted(p.name for p in (run_dir / "samples").glob("eval-step-*"))  # besides step-N
     assert files == ["eval-step-0.jsonl", "eval-step-2.jsonl", "eval-step-3.jsonl"]
     for row in rows:
         if "eval/score" not in row:

@@ -12,6 +12,7 @@ _EXPORTS = {
     "LengthPenalty": "length:LengthPenalty",
     "LoopPenalty": "loop:LoopPenalty",
     "RewardModel": "reward_model:RewardModel",
+    "AnswerMatch": "answer_match:AnswerMatch",
 }
 __all__ = sorted(_EXPORTS)
 
