@@ -6,18 +6,10 @@ The same classes are rlpipe's built-in entry points; each is imported on first u
 'rlpipe.plugins.collectors.hf'
 """
 
-import importlib
+from rlpipe.plugins import lazy_exports
 
-_EXPORTS = {
+__all__, __getattr__ = lazy_exports(__name__, {
     "HFCollector": "hf:HFCollector",
     "VLLMCollector": "vllm:VLLMCollector",
     "Collector": "base:Collector",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _EXPORTS[name].split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+})
