@@ -40,6 +40,16 @@ def linear_shapes(config, lm_rows_share: float = 1.0) -> list[tuple[int, int, fl
             + [(h, config.vocab_size, lm_rows_share)])
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX-BF16); without it torch
+    emulates bf16 GEMMs at a few GFLOP/s, and timing them measures nothing useful."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def measure(config, tokens: int, lm_tokens: int, dtype: torch.dtype, reps: int = 5) -> dict:
     """FLOP/s of the update's GEMMs (see the module docstring); one warm-up pass first."""
     shapes = linear_shapes(config, lm_tokens / tokens)

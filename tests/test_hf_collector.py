@@ -233,3 +233,48 @@ def test_peft_wrapped_actor_generates_like_its_base(ctx):
     batch = HFCollector(ctx_peft, max_new_tokens=6, temperature=0).collect(PROMPTS)
     assert torch.equal(batch[schema.RESPONSE_IDS], reference[schema.RESPONSE_IDS])  # LoRA B starts at 0
     assert wrapped.get_base_model().generation_config.repetition_penalty == 5.0
+
+
+def _within_five_sigma(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Every category's count within 5 binomial standard deviations of N p (seeded: no flake)."""
+    n = counts.sum().double()
+    expected, sd = n * probs, (n * probs * (1 - probs)).sqrt()
+    return bool(((counts.double() - expected).abs() <= 5 * sd + 1e-9).all())
+
+
+@pytest.mark.parametrize("block", [128, 2, 3])  # one block; blocks, one fully masked; padding
+def test_sample_from_scores_draws_softmax_and_never_a_masked_token(block):
+    """The inverse-CDF draw against float64 softmax probabilities; -inf entries never drawn;
+    an off-by-one in the search would move every category's mass to its neighbour."""
+    from rlpipe.plugins.collectors.hf import sample_from_scores
+
+    scores = torch.tensor([[2.0, -float("inf"), 0.5, 1.0, -float("inf"), -1.0, 0.0]] * 20000)
+    if block == 2:
+        scores[:, 0], scores[:, 1] = -float("inf"), -float("inf")  # block 0 has no mass
+    torch.manual_seed(0)
+    tokens, logp = sample_from_scores(scores, block=block)
+    probs = torch.softmax(scores[0].double(), -1)
+    counts = torch.bincount(tokens, minlength=7)
+    assert counts[torch.isinf(scores[0])].eq(0).all() and _within_five_sigma(counts, probs)
+    assert torch.allclose(logp.double(), probs.log()[tokens], atol=1e-6)
+    shifted = torch.roll(probs, 1)  # what an off-by-one would draw: clearly rejected
+    assert not _within_five_sigma(counts, shifted)
+
+
+def test_collector_draws_from_the_processed_distribution(ctx, tiny_model, tiny_tokenizer):
+    """First tokens of 3000 samples of one prompt at temperature 0.8 and top-k 4: their
+    frequencies match softmax(logits / 0.8) over the top 4, computed here in float64."""
+    ids = tiny_tokenizer("the cat sat on the mat", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = tiny_model(input_ids=ids).logits[0, -1].double() / 0.8
+    top = logits.topk(4).indices
+    probs = torch.zeros_like(logits)
+    probs[top] = torch.softmax(logits[top], -1)
+    torch.manual_seed(1)
+    batch = HFCollector(ctx, max_new_tokens=1, temperature=0.8, top_k=4, n=3000,
+                        micro_batch_size=1).collect(["the cat sat on the mat"])
+    first = batch[schema.RESPONSE_IDS][:, 0]
+    counts = torch.bincount(first, minlength=len(probs))
+    assert set(first.unique().tolist()) <= set(top.tolist())
+    assert _within_five_sigma(counts[top], probs[top])
+    assert torch.allclose(batch[schema.ENGINE_LOG_PROB][:, 0].double(), probs[first].log(), atol=1e-5)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from transformers import GenerationConfig, TopKLogitsWarper, TopPLogitsWarper
+from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from rlpipe.core import schema as S
 from rlpipe.core.context import RunContext
@@ -69,22 +69,15 @@ def test_gradient_flows_through_the_kept_tokens_only():
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.0, 0, 1.0),
                                                        (1.0, 5, 1.0), (0.8, 0, 0.7), (1.3, 6, 0.8)])
 def test_hf_engine_log_probs_are_what_generate_sampled_from(ctx, temperature, top_k, top_p):
-    """The HF collector samples exactly as `generate` with its own warpers (same tokens, same
-    seed), reports the sampled distribution's log-probs (0 on padding), and the trainer's
-    truncation-aware scoring reproduces them; the untruncated scoring does not."""
+    """The HF collector reports the log-probs of the distribution it drew from (0 on padding),
+    and the trainer's truncation-aware scoring reproduces them; the untruncated scoring does
+    not. (That the draw follows that distribution: tests/test_hf_collector.py.)"""
     kwargs = dict(max_new_tokens=8, temperature=temperature, top_k=top_k, top_p=top_p, n=3,
                   micro_batch_size=2)
     torch.manual_seed(5)
     batch = HFCollector(ctx, **kwargs, score_truncated=True).collect(PROMPTS)
     mask = batch[S.RESPONSE_MASK]
     assert batch[S.ENGINE_LOG_PROB][~mask].eq(0).all() and batch[S.ENGINE_LOG_PROB][mask].lt(0).any()
-    # generate's own warpers, from the config, under the same seed: the same tokens
-    plain = HFCollector(ctx, **kwargs)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p) if temperature > 0 else {}
-    plain.generation_config = GenerationConfig(**{**plain.generation_config.to_dict(), **sampling})
-    plain._warpers = lambda: []
-    torch.manual_seed(5)
-    assert torch.equal(plain.collect(PROMPTS)[S.RESPONSE_IDS], batch[S.RESPONSE_IDS])
     inputs = [batch[k] for k in INPUTS]
     truncation = Truncation(top_k, top_p) if temperature > 0 else None
     scored, _ = response_logprobs(ctx.actor, *inputs, temperature, truncation=truncation)
