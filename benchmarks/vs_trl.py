@@ -41,7 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch: the matmul limit at its best
+import torch  # noqa: E402
 import transformers
 import yaml
 
@@ -114,10 +115,13 @@ def rlpipe_config(folder: Path, policy: Path, rm: Path, prompts: Path, args) -> 
     return path
 
 
-def run_child(cmd: list[str], threads: int, cwd: Path) -> tuple[float, float]:
-    """Run ``cmd``; (wall seconds, peak RSS GiB of that process). A failure stops the benchmark."""
+def run_child(cmd: list[str], threads: int, cwd: Path, thp: bool = True) -> tuple[float, float]:
+    """Run ``cmd``; (wall seconds, peak RSS GiB of that process). ``thp``: torch's CPU tensors
+    on transparent huge pages (``THP_MEM_ALLOC_ENABLE``, rlpipe's default; TRL's is off). A
+    failure stops the benchmark."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "THP_MEM_ALLOC_ENABLE": str(int(thp))}
     t0 = time.perf_counter()
     child = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -129,13 +133,13 @@ def run_child(cmd: list[str], threads: int, cwd: Path) -> tuple[float, float]:
     return time.perf_counter() - t0, usage.ru_maxrss / 2**20
 
 
-def run_trl(folder, policy, rm, prompts, args) -> dict:
+def run_trl(folder, policy, rm, prompts, args, thp: bool = False) -> dict:
     out = folder / "trl.json"
     wall, rss = run_child([str(args.trl_python), str(Path(__file__).parent / "vs_trl_worker.py"),
                            "--policy", str(policy), "--reward", str(rm), "--prompts", str(prompts),
                            "--iters", str(1 + args.iters), "--batch", str(args.batch),
                            "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-                           "--out", str(out)], args.threads, folder)
+                           "--out", str(out)], args.threads, folder, thp)
     data = json.loads(out.read_text())
     return {"iters": data["iters"], "rss_gib": rss, "wall_s": wall,
             "versions": {k: data[k] for k in ("trl", "transformers", "torch", "optimizer")}}
@@ -217,6 +221,8 @@ def parse_args(argv=None):
     p.add_argument("--fast", action="store_true", help="also run the FAST variants")
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 round, 1 timed iteration")
     p.add_argument("--no-trl", action="store_true", help="rlpipe only (no TRL environment)")
+    p.add_argument("--trl-thp", action="store_true",
+                   help="also run TRL with THP_MEM_ALLOC_ENABLE=1 (rlpipe's default), as 'trl thp'")
     p.add_argument("--trl-python", type=Path, default=TRL_PYTHON)
     p.add_argument("--cache", type=Path, default=Path("~/.cache/rlpipe/bench-vs-trl"),
                    help="where the model folders are made once")
@@ -246,14 +252,15 @@ def main(argv=None) -> None:
     prompts = work / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS.read_text().splitlines()[:args.batch]) + "\n")
     config = rlpipe_config(work, policy, rm, prompts, args)
-    sides = (["trl"] if not args.no_trl else []) + list(variants)
+    sides = ((["trl"] + (["trl thp"] if args.trl_thp else [])) if not args.no_trl else []) \
+        + list(variants)
     runs: dict[str, list] = {name: [] for name in sides}
     loads = [os.getloadavg()]
     for r in range(args.rounds):
         for name in (sides if r % 2 == 0 else sides[::-1]):
             t0 = time.perf_counter()
-            if name == "trl":
-                runs[name].append(run_trl(work, policy, rm, prompts, args))
+            if name.startswith("trl"):
+                runs[name].append(run_trl(work, policy, rm, prompts, args, thp=name != "trl"))
             else:
                 runs[name].append(run_rlpipe(work, config, args.rlpipe_override + variants[name],
                                              args))

@@ -54,7 +54,18 @@ def load_causal_lm(path: Path, init: str = "pretrained", dtype: str = "float32",
 
     model = _from_folder(AutoModelForCausalLM, path, init, trust_remote_code, setting, "the model",
                          dtype=_DTYPES[dtype])
+    head = model.get_output_embeddings()
+    if head is not None:
+        head.register_forward_pre_hook(contiguous_input)
     return model.eval()  # eval always: no dropout, so the on-policy ratio is exactly 1
+
+
+def contiguous_input(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook for the LM head: its input made contiguous. transformers slices the
+    hidden states (``logits_to_keep``, the last position in ``generate``); with a frozen head
+    (the reference, a LoRA actor) torch then runs the [B, T, H] x [H, vocab] product as a batched
+    matmul over a broadcast weight, 1.5x slower on CPU than one [B*T, H] matmul."""
+    return (args[0].contiguous(), *args[1:])
 
 
 def _from_folder(auto_class, path, init: str, trust_remote_code: bool, setting: str, what: str,

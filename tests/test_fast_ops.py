@@ -185,3 +185,26 @@ def test_grad_norm_without_clipping_leaves_gradients_bit_identical():
     torch.testing.assert_close(norm.double(), torch.cat(copies).double().norm(), rtol=1e-6, atol=0)
     clipped = grad_norm(params, 1.0)
     assert torch.equal(clipped, want) and torch.cat([p.grad for p in params]).norm() < 1.0 + 1e-5
+
+
+def test_frozen_lm_head_runs_one_matmul_not_a_batched_one():
+    """A frozen model's sliced LM-head input is made contiguous (`contiguous_input`), so the head
+    is one [B*T, H] matmul, not a bmm over a broadcast weight; the log-probs are unchanged."""
+    from torch.profiler import profile
+
+    from rlpipe.core.models import contiguous_input, response_logprobs
+
+    frozen = double_llama().float().requires_grad_(False)
+    inputs = padded_inputs()
+
+    def ops_and_logp():
+        with torch.no_grad(), profile() as prof:
+            logp, _ = response_logprobs(frozen, *inputs)
+        return {e.key for e in prof.key_averages()}, logp
+
+    plain_ops, plain = ops_and_logp()
+    assert "aten::bmm" in plain_ops  # what torch does without the hook
+    handle = frozen.get_output_embeddings().register_forward_pre_hook(contiguous_input)
+    ops, hooked = ops_and_logp()
+    handle.remove()
+    assert "aten::bmm" not in ops and torch.allclose(hooked, plain, atol=1e-5)
