@@ -3,7 +3,9 @@
     python benchmarks/vs_trl.py --smoke                 # tiny model, 8 x 8 tokens, 1 round
     python benchmarks/vs_trl.py --model tiny            # 2-layer Llama, hidden 64, SmolLM2 vocab
     python benchmarks/vs_trl.py --model smollm2         # SmolLM2-135M-Instruct: about 12 minutes
-    python benchmarks/vs_trl.py --model smollm2 --fast  # + rlpipe's fast variants
+    python benchmarks/vs_trl.py --model smollm2 --fast  # + rlpipe's fast variants (FAST)
+    python benchmarks/vs_trl.py --model smollm2 --no-trl --rounds 1 --iters 12 --fast "fast path"
+                                                        # learning curves: float32 vs the fast path
     python benchmarks/vs_trl.py --rlpipe-override train.forward_batch_size=8 \
         --variant bypass=KEY=VALUE,KEY=VALUE            # an extra rlpipe variant, named
 
@@ -41,8 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch: the matmul limit at its best
-import torch  # noqa: E402
+import torch
 import transformers
 import yaml
 
@@ -115,10 +116,10 @@ def rlpipe_config(folder: Path, policy: Path, rm: Path, prompts: Path, args) -> 
     return path
 
 
-def run_child(cmd: list[str], threads: int, cwd: Path, thp: bool = True) -> tuple[float, float]:
+def run_child(cmd: list[str], threads: int, cwd: Path, thp: bool = False) -> tuple[float, float]:
     """Run ``cmd``; (wall seconds, peak RSS GiB of that process). ``thp``: torch's CPU tensors
-    on transparent huge pages (``THP_MEM_ALLOC_ENABLE``, rlpipe's default; TRL's is off). A
-    failure stops the benchmark."""
+    on transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``; torch's default is off). A failure
+    stops the benchmark."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "THP_MEM_ALLOC_ENABLE": str(int(thp))}
@@ -218,11 +219,12 @@ def parse_args(argv=None):
                    help="config override for every rlpipe run (repeatable)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
                    help="an extra rlpipe run with these overrides (repeatable)")
-    p.add_argument("--fast", action="store_true", help="also run the FAST variants")
+    p.add_argument("--fast", nargs="*", default=None, metavar="NAME",
+                   help=f"also run these FAST variants (none named: all of {', '.join(FAST)})")
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 round, 1 timed iteration")
     p.add_argument("--no-trl", action="store_true", help="rlpipe only (no TRL environment)")
     p.add_argument("--trl-thp", action="store_true",
-                   help="also run TRL with THP_MEM_ALLOC_ENABLE=1 (rlpipe's default), as 'trl thp'")
+                   help="also run TRL with THP_MEM_ALLOC_ENABLE=1, as 'trl thp'")
     p.add_argument("--trl-python", type=Path, default=TRL_PYTHON)
     p.add_argument("--cache", type=Path, default=Path("~/.cache/rlpipe/bench-vs-trl"),
                    help="where the model folders are made once")
@@ -237,8 +239,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     variants = {"rlpipe": []}
-    if args.fast:
-        variants.update({f"rlpipe {k}": v for k, v in FAST.items()})
+    if args.fast is not None:
+        unknown = set(args.fast) - set(FAST)
+        if unknown:
+            sys.exit(f"--fast: unknown variant(s) {', '.join(sorted(unknown))}; known: {', '.join(FAST)}")
+        variants.update({f"rlpipe {k}": v for k, v in FAST.items() if not args.fast or k in args.fast})
     for spec in args.variant:
         name, _, sets = spec.partition("=")
         variants[f"rlpipe {name}"] = [s for s in sets.split(",") if s]
