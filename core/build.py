@@ -22,6 +22,7 @@ from rlpipe.core.context import RunContext
 from rlpipe.core.collectors import collector_max_new_tokens
 from rlpipe.core.critic_start import critic_from_reward_model
 from rlpipe.core.errors import UserError
+from rlpipe.core.lora import allow_merging
 from rlpipe.core.models import (Models, ValueModel, enable_checkpointing, frozen_copy,
                                 load_causal_lm, load_tokenizer)
 from rlpipe.core.rewards import RewardComposer
@@ -91,7 +92,8 @@ def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
 
 
 def apply_lora(model: torch.nn.Module, lora, task_type: str | None):
-    """Wrap ``model`` with peft LoRA adapters; the base weights are frozen."""
+    """Wrap ``model`` with peft LoRA adapters; the base weights are frozen. With
+    ``lora.merged_passes`` its no-grad passes may run on merged weights (`rlpipe.core.lora`)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
@@ -99,9 +101,10 @@ def apply_lora(model: torch.nn.Module, lora, task_type: str | None):
     try:
         with warnings.catch_warnings():  # peft reads an attribute transformers 5 deprecates
             warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
-            return get_peft_model(model, config)
+            model = get_peft_model(model, config)
     except ValueError as exc:
         raise UserError(f"lora: {exc}") from exc
+    return allow_merging(model) if lora.merged_passes else model
 
 
 def merged_lora_copy(actor_cfg, state: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -12,6 +12,10 @@ A collector (group ``rlpipe.collectors``) is a class with ``collect(prompts) -> 
 - ``score_truncated``, ``top_k``, ``top_p``: with ``score_truncated`` true (default false) and
   sampling truncated (``top_k > 0`` or ``top_p < 1``, temperature > 0), the trainer scores
   tokens under the same renormalised distribution (`rlpipe.core.truncation`). Defaults 0, 1.0.
+- ``record_hidden(on)``: a collector that runs the actor's own module can write
+  ``engine_hidden``, the input of the actor's LM head for each response token; core calls it
+  (`request_hidden`) when a shared-backbone critic can read its rollout values from that instead
+  of a forward. Default None: not offered.
 
 `rlpipe.plugins.collectors.base.Collector` declares all three; a collector that does not subclass
 it gets the defaults listed in `rlpipe.core.registry.DECLARED`. A value of the wrong kind, or an error raised while reading it
@@ -76,3 +80,13 @@ def collector_truncation(collector) -> Truncation | None:
                         f"got {top_k!r}, {top_p!r}")
     truncation = Truncation(top_k, top_p)
     return truncation if truncation.active and collector_temperature(collector) > 0 else None
+
+
+def request_hidden(collector) -> bool:
+    """Ask the collector to write ``engine_hidden`` from now on (its ``record_hidden(True)``);
+    False where it declares no ``record_hidden``."""
+    record = _attribute(collector, "record_hidden")
+    if record is None:
+        return False
+    registry.call(record, True)
+    return True

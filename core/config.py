@@ -47,6 +47,7 @@ class RunConfig:
     preflight: bool = False          # before step 1: one batch, engine vs trainer log-probs (rlpipe check)
     preflight_max_kl: float = num(0.01, "> 0")   # fail above this per-token KL(engine || trainer)
     preflight_max_gap: float = num(0.1, "> 0")   # ... or above this mean |engine - trainer log-prob|
+    flush_denormals: bool = True     # CPU: floats below 1.2e-38 read as 0 on every torch thread (core/denormals.py)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class LoraConfig:
     alpha: int = num(16, "> 0")
     dropout: float = num(0.0, "in [0, 1)")
     target_modules: list[str] | str = "all-linear"
+    merged_passes: bool = True      # HF rollout on W + s*B*A: one matmul per layer (core/lora.py)
 
 
 @dataclass

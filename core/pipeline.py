@@ -30,9 +30,11 @@ from rlpipe.core import (build, checkpoint, compose, console, distributed, guard
 from rlpipe.core import rollout_correction as correction
 from rlpipe.core.config import Config
 from rlpipe.core.context import RunContext
-from rlpipe.core.collectors import close_collector, collector_temperature, collector_truncation
+from rlpipe.core.collectors import (close_collector, collector_temperature, collector_truncation,
+                                   request_hidden)
 from rlpipe.core.critic_start import CriticWarmup
 from rlpipe.core.data import PromptStream
+from rlpipe.core.denormals import flush_denormals
 from rlpipe.core.evaluation import Evaluator, eval_collector
 from rlpipe.core.errors import UserError
 from rlpipe.core.health import monitor_for
@@ -72,6 +74,7 @@ class Pipeline(RunState):
         build.seed_everything(cfg.run.seed)
         self.dist, device_name = distributed.init(cfg.run.device, cfg.distributed.timeout_s)
         self.device = build.resolve_device(device_name)
+        flush_denormals(cfg.run.flush_denormals)  # x86 runs arithmetic on denormals 10-50x slower
         self.run_dir = build.prepare_run_dir(cfg, overwrite, self.resume, self.dist.is_main)
         self.dist.barrier()  # the run directory exists for every rank from here on
         self.status = console.Status(self.dist.is_main)
@@ -93,6 +96,12 @@ class Pipeline(RunState):
             self.plugins = build.build_plugins(cfg, self.ctx)
         self.status.say(f"plugins ready in {took():.1f} s")
         self.temperature = collector_temperature(self.plugins.collector)
+        # bypass + a critic on the actor's backbone: rollout values from the sampling pass's own
+        # hidden states (one backbone forward less per step), where the collector offers them
+        critic = self.models.critic
+        self.values_from_rollout = (cfg.rollout_correction.mode == "bypass" and critic is not None
+                                    and critic.shared and not self.dist.enabled
+                                    and request_hidden(self.plugins.collector))
         self.truncation = collector_truncation(self.plugins.collector)  # score_truncated
         self.data.use_tokenizer(self.models.tokenizer)
         check_reward_columns(self.plugins.rewards, self.data, "data.prompts")
@@ -122,12 +131,19 @@ class Pipeline(RunState):
     @torch.no_grad()
     def _score_tokens(self, td: TensorDict) -> None:
         """old_log_prob, ref_log_prob and value for every response token, in micro-batches.
-        With ``rollout_correction.mode: bypass`` old_log_prob is the engine's: no actor forward."""
+        With ``rollout_correction.mode: bypass`` old_log_prob is the engine's: no actor forward
+        (and with a shared-backbone critic, the values come from the rollout's hidden states)."""
         m = self.models
         chunks = [[c[k] for k in _INPUTS] for c in td.split(self.cfg.train.forward_batch_size)]
         if self.cfg.rollout_correction.mode == "bypass":
             td[S.OLD_LOG_PROB] = td[S.ENGINE_LOG_PROB].float() * td[S.RESPONSE_MASK]
-            values = [response_values(m.critic, *c) for c in chunks] if m.critic is not None else []
+            values = []
+            if self.values_from_rollout and S.ENGINE_HIDDEN in td.keys():
+                # V(s_t) = head(the hidden state the rollout drew token t from)
+                hidden = td.pop(S.ENGINE_HIDDEN).to(m.critic.head.weight.dtype)
+                values = [m.critic.values(hidden) * td[S.RESPONSE_MASK]]
+            elif m.critic is not None:
+                values = [response_values(m.critic, *c) for c in chunks]
         else:
             outs = [logprobs_and_values(m.actor, m.critic, c, self.temperature,
                                         truncation=self.truncation) for c in chunks]

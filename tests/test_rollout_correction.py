@@ -19,7 +19,7 @@ from rlpipe.core import schema as S
 from rlpipe.core.config import load_config
 from rlpipe.core.errors import UserError
 from rlpipe.core.loss import LossContract
-from rlpipe.core.models import response_logprobs
+from rlpipe.core.models import response_logprobs, response_values
 from rlpipe.core.pipeline import Pipeline
 from rlpipe.core.update import _checked_contract
 from rlpipe.plugins.losses.ppo import PPOLoss
@@ -235,3 +235,38 @@ def test_bypass_skips_the_actor_forward_and_its_first_ratio_is_one(tmp_path, sam
     mask = batch[S.RESPONSE_MASK]
     assert mask.sum() > 5
     assert (logp - batch[S.OLD_LOG_PROB])[mask].abs().max() < 1e-5   # float32 round-off
+
+
+@pytest.mark.parametrize("sampling", [["collector.temperature=0.7", "collector.n=2",
+                                       "collector.micro_batch_size=1", "collector.stop_strings=[e]"],
+                                      ["collector.temperature=0"]])
+def test_bypass_with_a_shared_critic_reads_values_from_the_rollout(tmp_path, sampling):
+    """bypass + a value head on the actor's backbone: the HF collector writes the LM head's input
+    of each drawn token (``engine_hidden``) and the values are the head on it, with no backbone
+    forward in scoring; they equal the values of a full forward (`response_values`) within
+    float32 round-off, 0 on padding. Micro-batches of different response lengths are padded."""
+    pipe = Pipeline(tiny(tmp_path, "rollout_correction.mode=bypass", "models.critic.path=null",
+                         "models.critic.shared_backbone=true", *sampling), progress=False)
+    assert pipe.values_from_rollout
+    batch = pipe.plugins.collector.collect(["Hi", "The weather today is very", "Once"])
+    hidden = batch[S.ENGINE_HIDDEN]
+    assert hidden.shape == (*batch[S.RESPONSE_IDS].shape, pipe.models.actor.config.hidden_size)
+    backbone = []
+    hook = pipe.models.critic.backbone.register_forward_hook(lambda *_: backbone.append(1))
+    pipe._score_tokens(batch)
+    hook.remove()
+    assert not backbone and S.ENGINE_HIDDEN not in batch.keys()  # used, then dropped
+    with torch.no_grad():
+        want = response_values(pipe.models.critic, *[batch[k] for k in INPUTS])
+    mask = batch[S.RESPONSE_MASK]
+    assert mask.sum() > 5 and (~mask).any() or "stop_strings" not in str(sampling)
+    assert (batch[S.VALUE] - want).abs().max() < 1e-5
+    assert (batch[S.VALUE][~mask] == 0).all()
+
+
+def test_values_come_from_a_forward_without_bypass_or_with_a_separate_critic(tmp_path):
+    for overrides in (["models.critic.path=null", "models.critic.shared_backbone=true"],
+                      ["rollout_correction.mode=bypass"]):
+        pipe = Pipeline(tiny(tmp_path, *overrides), overwrite=True, progress=False)
+        assert not pipe.values_from_rollout
+        assert S.ENGINE_HIDDEN not in pipe.plugins.collector.collect(["Hi"]).keys()

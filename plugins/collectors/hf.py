@@ -8,7 +8,9 @@ CDF (`sample_from_scores`: one uniform per row) and hands ``generate`` a one-hot
 distribution is the one ``generate``'s own ``do_sample`` draws from; its ``torch.multinomial``
 draws one exponential per vocabulary entry per row, which was 60% of a rollout's time on CPU.
 ``engine_log_prob`` is the log-prob of each drawn token under that distribution (greedy: the
-logits at temperature 1).
+logits at temperature 1). After ``record_hidden(True)`` (core asks for it when a shared-backbone
+critic can use it) it also writes ``engine_hidden`` [B, R, H]: the input of the LM head that
+scored each response token, i.e. the actor's last hidden state of the state before the token.
 
 >>> collector = HFCollector(ctx, max_new_tokens=16, n=4)       # doctest: +SKIP
 >>> batch = collector.collect(["Write a haiku."])               # doctest: +SKIP
@@ -28,6 +30,7 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rlpipe.core import schema
 from rlpipe.core.distributed import unsharded
+from rlpipe.core.lora import merged_weights
 from rlpipe.core.models import unwrap
 from rlpipe.plugins.collectors.base import Collector, Count, Fraction, Temperature, Tokens, TopK
 
@@ -48,7 +51,7 @@ class HFCollector(Collector):
                          top_k=top_k, n=n, max_prompt_tokens=max_prompt_tokens,
                          chat_template=chat_template, stop_strings=stop_strings,
                          min_new_tokens=min_new_tokens, score_truncated=score_truncated)
-        self.model, self.micro_batch_size = ctx.actor, micro_batch_size
+        self.model, self.micro_batch_size, self.keep_hidden = ctx.actor, micro_batch_size, False
         # The sampling warpers and the draw are ours (`_warpers`, `_Sampler`): generate runs its
         # greedy loop (do_sample=False adds no warpers) and takes the token our processor drew.
         self.generation_config = GenerationConfig(
@@ -64,15 +67,18 @@ class HFCollector(Collector):
         size = self.micro_batch_size * self.n
         parts = [self._generate(prompt_ids[i:i + size], prompt_mask[i:i + size])
                  for i in range(0, len(prompt_ids), size)]
-        width = max(ids.shape[1] for ids, _, _, _ in parts)
-        return {
-            schema.RESPONSE_IDS: torch.cat([F.pad(ids, (0, width - ids.shape[1]), value=self.pad_id)
-                                            for ids, _, _, _ in parts]),
-            schema.RESPONSE_MASK: torch.cat([F.pad(mask, (0, width - mask.shape[1]), value=False)
-                                             for _, mask, _, _ in parts]),
-            schema.FINISHED: torch.cat([finished for _, _, finished, _ in parts]),
-            schema.ENGINE_LOG_PROB: torch.cat([F.pad(logp, (0, width - logp.shape[1]))
-                                               for _, _, _, logp in parts])}
+        width = max(part[schema.RESPONSE_IDS].shape[1] for part in parts)
+        fill = {schema.RESPONSE_IDS: self.pad_id, schema.RESPONSE_MASK: False}
+        out = {}
+        for key in parts[0]:  # right-pad the response positions (dim 1) to the longest part
+            out[key] = torch.cat([x if x.ndim < 2 else F.pad(x.movedim(1, -1), (0, width - x.shape[1]),
+                                                             value=fill.get(key, 0)).movedim(-1, 1)
+                                  for x in (part[key] for part in parts)])
+        return out
+
+    def record_hidden(self, on: bool = True) -> None:
+        """Also write ``engine_hidden`` (see the module docstring) from the next `collect` on."""
+        self.keep_hidden = on
 
     def _warpers(self) -> list:
         """The sampling warpers ``generate`` itself would add, in its order: temperature, top-k,
@@ -97,19 +103,20 @@ class HFCollector(Collector):
         """No-op: this collector generates with the actor itself, so it always has its weights."""
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
-        """One micro-batch: (response ids [b, r] right-padded, mask [b, r], finished [b],
-        engine log-probs [b, r], 0 on padding)."""
+        """One micro-batch: response ids [b, r] right-padded, mask [b, r], finished [b],
+        engine log-probs [b, r] (and hidden states [b, r, H]), 0 on padding."""
         width = int(prompt_mask.sum(dim=1).max())       # drop columns that are padding in every row
         prompt_ids, prompt_mask = prompt_ids[:, -width:], prompt_mask[:, -width:]
-        sampled = _Sampler(draw=self.temperature > 0)
+        sampled, hidden = _Sampler(draw=self.temperature > 0), []
         tracker = _EndTracker(width, len(prompt_ids), self.eos_ids, self.stop_strings, self.tokenizer,
                               prompt_ids.device, sampled)
         # no_grad, not inference_mode: under FSDP2 the gathered parameters would become
         # inference tensors that the trainer's next all-gather cannot write into. `unsharded`
         # gathers the actor once, so ranks that stop after different numbers of tokens run no
-        # collective (a no-op for an unsharded model).
-        with torch.no_grad(), unsharded(self.model), \
-                _generation_mode(self.model, self.generation_config):
+        # collective (a no-op for an unsharded model). A LoRA actor runs on merged weights.
+        with torch.no_grad(), unsharded(self.model), merged_weights(self.model), \
+                _generation_mode(self.model, self.generation_config), _head_inputs(
+                    self.model, hidden if self.keep_hidden else None):
             out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
                                       generation_config=self.generation_config,
                                       logits_processor=LogitsProcessorList(
@@ -122,8 +129,13 @@ class HFCollector(Collector):
         r = int(lengths.max())
         logp = torch.stack(sampled.taken, dim=1)[:, :new.shape[1]] if sampled.taken else \
             torch.zeros(new.shape, dtype=torch.float32, device=new.device)
-        return (new.masked_fill(~mask, self.pad_id)[:, :r], mask[:, :r], finished,
-                torch.where(mask, logp, 0.0)[:, :r])
+        part = {schema.RESPONSE_IDS: new.masked_fill(~mask, self.pad_id)[:, :r],
+                schema.RESPONSE_MASK: mask[:, :r], schema.FINISHED: finished,
+                schema.ENGINE_LOG_PROB: torch.where(mask, logp, 0.0)[:, :r]}
+        if hidden:  # one LM-head call per drawn token: prefill, then each decode step
+            states = torch.stack(hidden, dim=1)[:, :r]
+            part[schema.ENGINE_HIDDEN] = states * mask[:, :r, None]
+        return part
 
 
 def sample_from_scores(scores: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,6 +241,21 @@ class _EndTracker(StoppingCriteria):
             done[running] |= hits.to(done.device)
         self.lengths = torch.where(done & (self.lengths < 0), new.shape[1], self.lengths)
         return self.lengths >= 0
+
+
+@contextmanager
+def _head_inputs(model, into: list | None):
+    """Append the LM head's input at the last position of each call to ``into`` ([b, H]; the
+    position whose logits ``generate`` draws from), while the block runs; None: nothing."""
+    if into is None:
+        yield
+        return
+    head = unwrap(model).get_output_embeddings()
+    handle = head.register_forward_pre_hook(lambda module, args: into.append(args[0][:, -1]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextmanager
