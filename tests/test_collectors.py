@@ -7,7 +7,7 @@ import pytest
 
 from rlpipe.core import registry
 from rlpipe.core.collectors import (close_collector, collector_max_new_tokens,
-                                    collector_temperature, collector_truncation)
+                                    collector_temperature, collector_truncation, request_hidden)
 from rlpipe.core.errors import UserError
 from rlpipe.plugins.collectors.hf import HFCollector
 
@@ -37,10 +37,12 @@ def test_a_bare_collector_gets_the_documented_defaults():
     from rlpipe.core.registry import DECLARED
 
     assert DECLARED["collectors"] == {"temperature": 1.0, "max_new_tokens": 0, "close": None,
-                                      "score_truncated": False, "top_k": 0, "top_p": 1.0}
+                                      "score_truncated": False, "top_k": 0, "top_p": 1.0,
+                                      "record_hidden": None}
     bare = Bare()
     assert collector_temperature(bare) == 1.0 and collector_max_new_tokens(bare) == 0
     assert collector_truncation(bare) is None
+    assert request_hidden(bare) is False   # no record_hidden(): no engine_hidden asked for
     close_collector(bare)  # no close(): nothing to do
 
 

@@ -61,12 +61,18 @@ def weights(run_dir, name="model.safetensors"):
     return load_file(str(Path(run_dir) / "final" / name))
 
 
+# A clip fraction counts discrete events: reduction-order round-off (one process against two)
+# can move a token across the clip boundary. Each minibatch holds at most 8 x 24 = 192 tokens,
+# so two flipped tokens move the logged mean (over 2 epochs x 2 minibatches) by at most 2/192.
+FRACTION_TOL = {"policy/clipfrac": 2 / 192, "value/clipfrac": 2 / 192}
+
+
 def assert_same_update(one, two, rel=1e-4):
     m1, m2 = metrics(one), metrics(two)
     assert [r["step"] for r in m1] == [r["step"] for r in m2] == [1, 2]  # rank 0 alone writes
     for a, b in zip(m1, m2):
         for key in UPDATE_KEYS:
-            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-5), key
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=FRACTION_TOL.get(key, 1e-5)), key
     w1, w2 = weights(one), weights(two)
     assert w1.keys() == w2.keys()
     for k in w1:

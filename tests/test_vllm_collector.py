@@ -158,7 +158,8 @@ def test_engine_weights_merge_lora_and_leave_the_adapters():
 
 def test_engine_weights_refuse_lora_they_cannot_merge():
     model = make_model(build_tokenizer())
-    model.add_adapter(peft.LoraConfig(r=4, target_modules=["q_proj"]))    # transformers-native
+    # LoRA layers injected without a PeftModel wrapper (what transformers' add_adapter does)
+    model = peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["q_proj"]), model)
     with pytest.raises(UserError, match="merge_adapter"):
         engine_weights(model)
 
