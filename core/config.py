@@ -48,6 +48,7 @@ class RunConfig:
     preflight_max_kl: float = num(0.01, "> 0")   # fail above this per-token KL(engine || trainer)
     preflight_max_gap: float = num(0.1, "> 0")   # ... or above this mean |engine - trainer log-prob|
     flush_denormals: bool = True     # CPU: floats below 1.2e-38 read as 0 on every torch thread (core/denormals.py)
+    keep_freed_memory: bool = True   # glibc: freed CPU blocks reused, not returned to the kernel (core/cpu_memory.py)
 
 
 @dataclass

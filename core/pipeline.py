@@ -34,6 +34,7 @@ from rlpipe.core.collectors import (close_collector, collector_temperature, coll
                                    request_hidden)
 from rlpipe.core.critic_start import CriticWarmup
 from rlpipe.core.data import PromptStream
+from rlpipe.core.cpu_memory import keep_freed_memory
 from rlpipe.core.denormals import flush_denormals
 from rlpipe.core.evaluation import Evaluator, eval_collector
 from rlpipe.core.errors import UserError
@@ -75,6 +76,7 @@ class Pipeline(RunState):
         self.dist, device_name = distributed.init(cfg.run.device, cfg.distributed.timeout_s)
         self.device = build.resolve_device(device_name)
         flush_denormals(cfg.run.flush_denormals)  # x86 runs arithmetic on denormals 10-50x slower
+        keep_freed_memory(cfg.run.keep_freed_memory)  # no page faults for a reused large tensor
         self.run_dir = build.prepare_run_dir(cfg, overwrite, self.resume, self.dist.is_main)
         self.dist.barrier()  # the run directory exists for every rank from here on
         self.status = console.Status(self.dist.is_main)

@@ -7,20 +7,31 @@
 - `merged_weights` (``models.*.lora.merged_passes``): a LoRA model's no-grad forward on
   ``W + s B A`` equals the adapters' forward within round-off (float64 here), the frozen base is
   restored bit for bit, and the HF collector's rollout with merged weights is the unmerged one.
+- `keep_freed_memory` (``run.keep_freed_memory``): a large block freed and allocated again costs
+  no page faults (glibc's default maps fresh pages each time), and a run gives the same metrics
+  and weights with it as without it (a read of uninitialised memory would show up here: fresh
+  pages are zeros, a reused block holds old values).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 
 from rlpipe.core.denormals import flush_denormals
 from rlpipe.core.lora import allow_merging, merged_weights
 from rlpipe.core.ops import token_logprobs
 from rlpipe.plugins.collectors.hf import HFCollector
+from tests.conftest import run_cli
 
 TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32, 1.18e-38
 
@@ -122,3 +133,48 @@ def test_collector_rollout_on_merged_weights_is_the_unmerged_one(ctx, tiny_model
     assert torch.equal(merged["response_ids"], plain["response_ids"])
     torch.testing.assert_close(merged["engine_log_prob"], plain["engine_log_prob"], rtol=0,
                                atol=1e-9)
+
+
+# ---- keep_freed_memory ------------------------------------------------------------------------
+
+FAULTS = """
+import resource, sys, torch
+from rlpipe.core.cpu_memory import keep_freed_memory
+assert keep_freed_memory(sys.argv[1] == "on")
+for step in range(30):                     # a 64 MiB tensor made and freed at every step
+    if step == 20:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.ones(1 << 24)
+    del x
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
+    """The last 10 of 30 steps: every page faulted anew by glibc's default (a fresh mapping each
+    time), almost none with the setting (a freed heap block, already resident, is reused; glibc
+    needs a few steps to coalesce torch's 64-byte-aligned blocks before it can)."""
+    pages = 10 * (1 << 26) // 4096
+    faults = {mode: int(subprocess.run([sys.executable, "-c", FAULTS, mode], check=True,
+                                       capture_output=True, text=True).stdout)
+              for mode in ("off", "on")}
+    assert faults["off"] > 0.9 * pages
+    assert faults["on"] < 0.05 * pages
+
+
+def test_a_run_is_the_same_with_and_without_kept_memory(tmp_path):
+    """The tiny example (its logits, 78 MiB, are above glibc's mmap limit) with the setting on
+    and off: identical metrics and final weights."""
+    config = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
+    runs = {}
+    for on in (True, False):
+        out = tmp_path / str(on)
+        result = run_cli(["run", config, f"run.output_dir={out}", "run.steps=2", "--no-progress",
+                          f"run.keep_freed_memory={str(on).lower()}"])
+        assert result.returncode == 0, result.stderr[-2000:]
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[on] = ([{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}
+                     for r in rows], load_file(str(out / "final" / "model.safetensors")))
+    assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 2
+    assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[False][1])
