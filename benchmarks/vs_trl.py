@@ -116,13 +116,19 @@ def rlpipe_config(folder: Path, policy: Path, rm: Path, prompts: Path, args) -> 
     return path
 
 
-def run_child(cmd: list[str], threads: int, cwd: Path, thp: bool = False) -> tuple[float, float]:
-    """Run ``cmd``; (wall seconds, peak RSS GiB of that process). ``thp``: torch's CPU tensors
-    on transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``; torch's default is off). A failure
-    stops the benchmark."""
+# TRL's sides: its process environment. "trl thp": torch's CPU tensors on transparent huge pages
+# (torch's default is off). "trl kept memory": glibc set as rlpipe's run.keep_freed_memory sets
+# it in-process (no mmap, no trim), through glibc's environment variables.
+TRL_ENV = {"trl": {}, "trl thp": {"THP_MEM_ALLOC_ENABLE": "1"},
+           "trl kept memory": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "2147483647"}}
+
+
+def run_child(cmd: list[str], threads: int, cwd: Path, extra_env: dict | None = None
+              ) -> tuple[float, float]:
+    """Run ``cmd`` with ``extra_env`` added to the environment; (wall seconds, peak RSS GiB of
+    that process). A failure stops the benchmark."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "THP_MEM_ALLOC_ENABLE": str(int(thp))}
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     t0 = time.perf_counter()
     child = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -134,13 +140,13 @@ def run_child(cmd: list[str], threads: int, cwd: Path, thp: bool = False) -> tup
     return time.perf_counter() - t0, usage.ru_maxrss / 2**20
 
 
-def run_trl(folder, policy, rm, prompts, args, thp: bool = False) -> dict:
+def run_trl(folder, policy, rm, prompts, args, side: str = "trl") -> dict:
     out = folder / "trl.json"
     wall, rss = run_child([str(args.trl_python), str(Path(__file__).parent / "vs_trl_worker.py"),
                            "--policy", str(policy), "--reward", str(rm), "--prompts", str(prompts),
                            "--iters", str(1 + args.iters), "--batch", str(args.batch),
                            "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-                           "--out", str(out)], args.threads, folder, thp)
+                           "--out", str(out)], args.threads, folder, TRL_ENV[side])
     data = json.loads(out.read_text())
     return {"iters": data["iters"], "rss_gib": rss, "wall_s": wall,
             "versions": {k: data[k] for k in ("trl", "transformers", "torch", "optimizer")}}
@@ -225,6 +231,9 @@ def parse_args(argv=None):
     p.add_argument("--no-trl", action="store_true", help="rlpipe only (no TRL environment)")
     p.add_argument("--trl-thp", action="store_true",
                    help="also run TRL with THP_MEM_ALLOC_ENABLE=1, as 'trl thp'")
+    p.add_argument("--trl-kept-memory", action="store_true",
+                   help="also run TRL with glibc keeping freed memory (as rlpipe's "
+                        "run.keep_freed_memory), as 'trl kept memory'")
     p.add_argument("--trl-python", type=Path, default=TRL_PYTHON)
     p.add_argument("--cache", type=Path, default=Path("~/.cache/rlpipe/bench-vs-trl"),
                    help="where the model folders are made once")
@@ -257,7 +266,8 @@ def main(argv=None) -> None:
     prompts = work / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS.read_text().splitlines()[:args.batch]) + "\n")
     config = rlpipe_config(work, policy, rm, prompts, args)
-    sides = ((["trl"] + (["trl thp"] if args.trl_thp else [])) if not args.no_trl else []) \
+    trl_sides = ["trl"] + ["trl thp"] * args.trl_thp + ["trl kept memory"] * args.trl_kept_memory
+    sides = (trl_sides if not args.no_trl else []) \
         + list(variants)
     runs: dict[str, list] = {name: [] for name in sides}
     loads = [os.getloadavg()]
@@ -265,7 +275,7 @@ def main(argv=None) -> None:
         for name in (sides if r % 2 == 0 else sides[::-1]):
             t0 = time.perf_counter()
             if name.startswith("trl"):
-                runs[name].append(run_trl(work, policy, rm, prompts, args, thp=name != "trl"))
+                runs[name].append(run_trl(work, policy, rm, prompts, args, name))
             else:
                 runs[name].append(run_rlpipe(work, config, args.rlpipe_override + variants[name],
                                              args))
