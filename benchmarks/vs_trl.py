@@ -6,6 +6,8 @@
     python benchmarks/vs_trl.py --model smollm2 --fast  # + rlpipe's fast variants (FAST)
     python benchmarks/vs_trl.py --model smollm2 --no-trl --rounds 1 --iters 12 --fast "fast path"
                                                         # learning curves: float32 vs the fast path
+    python benchmarks/vs_trl.py --model smollm2 --trl-kept-memory
+                                                        # + TRL with glibc keeping freed memory
     python benchmarks/vs_trl.py --rlpipe-override train.forward_batch_size=8 \
         --variant bypass=KEY=VALUE,KEY=VALUE            # an extra rlpipe variant, named
 
