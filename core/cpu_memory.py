@@ -6,8 +6,8 @@ once more than a few MiB there are free. A PPO step allocates such blocks again 
 logits of every micro-batch and their gradient ([8, 33, 49 152] float32 is 52 MiB), the gradient
 of the LM head and of each tied embedding ([49 152, 576] is 113 MiB), the reference's logits.
 Each comes back as fresh pages, and the kernel faults in and zeroes every 4 KiB page on first
-touch: about 1.5 GB of page faults per SmolLM2-135M iteration, measured at 1-2 GB/s on the
-2-core VMs of BENCHMARKS.md. `keep_freed_memory` tells glibc to serve every block from its heap
+touch: close to 2 GB of such blocks per SmolLM2-135M iteration of BENCHMARKS.md, faulted in at
+1-2 GB/s on its 2-core VMs (68 000 faults, 0.15-0.25 s, per micro-batch's blocks in isolation). `keep_freed_memory` tells glibc to serve every block from its heap
 and never to trim it, so a freed block is reused without a fault: what torch's CUDA caching
 allocator does on the GPU. It changes no number (the same kernels run on the same values); the
 process's resident memory stays at its high-water mark instead of falling between phases.
