@@ -7,10 +7,11 @@ logits of every micro-batch and their gradient ([8, 33, 49 152] float32 is 52 Mi
 of the LM head and of each tied embedding ([49 152, 576] is 113 MiB), the reference's logits.
 Each comes back as fresh pages, and the kernel faults in and zeroes every 4 KiB page on first
 touch: close to 2 GB of such blocks per SmolLM2-135M iteration of BENCHMARKS.md, faulted in at
-1-2 GB/s on its 2-core VMs (68 000 faults, 0.15-0.25 s, per micro-batch's blocks in isolation). `keep_freed_memory` tells glibc to serve every block from its heap
-and never to trim it, so a freed block is reused without a fault: what torch's CUDA caching
-allocator does on the GPU. It changes no number (the same kernels run on the same values); the
-process's resident memory stays at its high-water mark instead of falling between phases.
+1-2 GB/s on its 2-core VMs (68 000 faults, 0.15-0.25 s, per micro-batch's blocks in isolation).
+`keep_freed_memory` tells glibc to serve every block from its heap and never to trim it, so a
+freed block is reused without a fault: what torch's CUDA caching allocator does on the GPU. It
+changes no number (the same kernels run on the same values); the process's resident memory stays
+at its high-water mark instead of falling between phases.
 
 It applies to glibc only (Linux); elsewhere it does nothing and says so.
 
@@ -46,8 +47,8 @@ def _mallopt():
 
 def keep_freed_memory(on: bool = True) -> bool:
     """``on``: every later ``malloc`` comes from glibc's heap (no ``mmap``) and the heap is never
-    trimmed; off: glibc's default values again. False where the C library is not glibc (nothing set).
-    Process-wide: it holds for every thread and for whatever else runs in the process."""
+    trimmed; off: glibc's default values again. False where the C library is not glibc (nothing
+    set). Process-wide: it holds for every thread and for whatever else runs in the process."""
     mallopt = _mallopt()
     if mallopt is None:
         return False
