@@ -148,3 +148,25 @@ def harness():
     from types import SimpleNamespace
 
     return SimpleNamespace(run=run_cli, error=assert_one_line_error, snapshot=snapshot)
+
+
+# ---- reading a finished run: what two runs are compared on ----------------------------------
+
+def logged_metrics(run_dir) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl`` without the wall-clock entries (``time/*``,
+    ``perf/*``): what two runs of the same computation must agree on exactly."""
+    import json
+    from pathlib import Path
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}
+            for line in lines]
+
+
+def final_weights(run_dir, name: str = "model.safetensors") -> dict:
+    """The tensors of ``run_dir/final/NAME``."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "final" / name))

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import platform
 import subprocess
 import sys
@@ -25,13 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from safetensors.torch import load_file
 
 from rlpipe.core.denormals import flush_denormals
 from rlpipe.core.lora import allow_merging, merged_weights
 from rlpipe.core.ops import token_logprobs
 from rlpipe.plugins.collectors.hf import HFCollector
-from tests.conftest import run_cli
+from tests.conftest import final_weights, logged_metrics, run_cli
 
 TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32, 1.18e-38
 
@@ -173,8 +171,6 @@ def test_a_run_is_the_same_with_and_without_kept_memory(tmp_path):
         result = run_cli(["run", config, f"run.output_dir={out}", "run.steps=2", "--no-progress",
                           f"run.keep_freed_memory={str(on).lower()}"])
         assert result.returncode == 0, result.stderr[-2000:]
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[on] = ([{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}
-                     for r in rows], load_file(str(out / "final" / "model.safetensors")))
+        runs[on] = (logged_metrics(out), final_weights(out))
     assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 2
     assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[False][1])

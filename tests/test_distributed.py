@@ -9,7 +9,6 @@
 - Distributed mistakes give one line and an exit status, never a hang.
 """
 
-import json
 import os
 import socket
 import subprocess
@@ -20,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+
+from tests.conftest import final_weights as weights, logged_metrics as metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "tiny" / "config.yaml"
@@ -50,15 +50,6 @@ def run(out_dir, *args, code=0):
                          timeout=400, stdin=subprocess.DEVNULL)
     assert out.returncode == code, out.stdout[-3000:] + out.stderr[-3000:]
     return out
-
-
-def metrics(run_dir):
-    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
-
-
-def weights(run_dir, name="model.safetensors"):
-    return load_file(str(Path(run_dir) / "final" / name))
 
 
 # A clip fraction counts discrete events: reduction-order round-off (one process against two)

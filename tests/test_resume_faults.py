@@ -20,13 +20,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
 
 from rlpipe.cli import main
 from rlpipe.core import checkpoint
 from rlpipe.core.config import load_config
 from rlpipe.core.metrics import MetricsWriter
 from rlpipe.core.pipeline import Pipeline
+from tests.conftest import final_weights, logged_metrics as rows
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 FAST = ["run.steps=3", "data.batch_size=4", "collector.max_new_tokens=8", "train.epochs=1",
@@ -52,16 +52,6 @@ def config(run_dir, *extra):
 
 def train(run_dir, *extra, resume=False) -> Path:
     return Pipeline(config(run_dir, *extra), progress=False, resume=resume).train()
-
-
-def rows(run_dir) -> list[dict]:
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}
-            for line in lines]
-
-
-def final_weights(run_dir) -> dict:
-    return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
 
 
 def assert_same_run(run_dir, reference) -> None:
