@@ -126,11 +126,24 @@ def check_before_launch(cfg) -> None:
     if cfg.data.batch_size < world:
         raise UserError(f"data.batch_size={cfg.data.batch_size} gives some of the {world} processes "
                         f"(distributed.nproc x nnodes) no prompt; raise it to at least {world}")
+    _check_gpus(cfg.run.device, d.nproc)
     if d.nnodes > 1 and not d.rdzv_endpoint:
         raise UserError("distributed.nnodes > 1 needs distributed.rdzv_endpoint=HOST:PORT, the "
                         "same on every machine")
     if d.nnodes > 1:
         _check_endpoint(d.rdzv_endpoint, min(10.0, d.timeout_s))
+
+
+def _check_gpus(device_name: str, nproc: int) -> None:
+    """One CUDA device per process on a node: NCCL cannot put two ranks on one GPU."""
+    import torch
+
+    from rlpipe.core.build import resolve_device
+
+    if resolve_device(device_name).type == "cuda" and nproc > torch.cuda.device_count():
+        raise UserError(f"distributed.nproc={nproc} needs one CUDA device per process, but torch "
+                        f"sees {torch.cuda.device_count()}: lower distributed.nproc, or set "
+                        f"run.device=cpu to train on CPU with gloo")
 
 
 def _check_endpoint(endpoint: str, timeout: float) -> None:

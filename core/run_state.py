@@ -32,7 +32,10 @@ class RunState:
         schedulers, RNGs (one per rank), KL, reward statistics, data position. A collective under
         FSDP: call it on every rank."""
         p = self.prompts
-        rngs = self.dist.gather_object({"torch": torch.get_rng_state(), "python": random.getstate()})
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()   # this rank's device; a CPU tensor
+        rngs = self.dist.gather_object(rng)
         return {"step": self.step_count, "updater": self.updater.state_dict(sharded),
                 "kl": self.kl_ctl.state_dict(), "rewards": self.plugins.rewards.state_dict(),
                 "critic_warmup": self.critic_warmup.state_dict(),
@@ -54,6 +57,8 @@ class RunState:
             rng = state["rng"][self.dist.rank]
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
         else:  # weights and optimizer reshard; only the per-rank sampling streams cannot
             build.seed_everything(self.cfg.run.seed + 1000 * self.step_count + self.dist.rank)
             if self.dist.is_main:

@@ -19,6 +19,7 @@ loads, subprocesses included), so every test that builds models runs them there.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -100,6 +101,17 @@ def tiny_model(tiny_tokenizer) -> LlamaForCausalLM:
 def ctx(tiny_tokenizer, tiny_model) -> RunContext:
     return RunContext(tokenizer=tiny_tokenizer, actor=tiny_model, device=torch.device(TEST_DEVICE),
                       max_new_tokens=8)
+
+
+# pip builds a local package with the setuptools already installed (torch needs it on 3.12+), so
+# that ``pip install PATH`` works without the network too; else pip fetches one.
+NO_ISOLATION = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+
+
+def python_path(*dirs) -> str:
+    """``PYTHONPATH`` for a subprocess: ``dirs`` first, then the inherited one (a machine whose
+    packages live on ``PYTHONPATH`` keeps them)."""
+    return os.pathsep.join([*map(str, dirs), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 # ---- the bad-input harness: one line, exit 2, no traceback, nothing outside the run changed ----

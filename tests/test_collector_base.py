@@ -91,7 +91,7 @@ def test_packs_prompts_responses_groups_texts_and_extra_keys(ctx, tiny_tokenizer
     answer = tiny_tokenizer.convert_tokens_to_ids(["red", "blue", "</s>"])
     collector = Fixed(ctx, answer=answer, n=2, max_new_tokens=3)
     batch = collector.collect(["the cat", "hello"])
-    assert batch.batch_size == torch.Size([4]) and batch.device == torch.device("cpu")
+    assert batch.batch_size == torch.Size([4]) and batch.device.type == ctx.device.type
     cat, hello = tiny_tokenizer("the cat").input_ids, tiny_tokenizer("hello").input_ids
     assert len(cat) == 3 and len(hello) == 2
     assert batch[schema.PROMPT_IDS].tolist() == [cat, cat, [0] + hello, [0] + hello]

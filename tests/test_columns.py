@@ -18,6 +18,7 @@ from rlpipe.core import schema as S
 from rlpipe.core.config import load_config
 from rlpipe.core.pipeline import Pipeline
 from rlpipe.core.rewards import RewardComposer, wrap_reward_function
+from tests.conftest import python_path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
@@ -124,7 +125,7 @@ def test_columns_survive_a_two_process_gloo_run(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(site),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(site), "RLPIPE_DEVICE": "cpu",
            "ROWS_FILE": str(data), "SEEN_FILE": str(tmp_path / "seen")}
     result = subprocess.run([sys.executable, "-m", "rlpipe.cli", "run", str(config),
                              f"run.output_dir={out}", "run.steps=2", "distributed.nproc=2",

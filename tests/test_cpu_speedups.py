@@ -104,6 +104,7 @@ def lora_llama(tiny_model, allow: bool = True):
 def test_merged_forward_equals_the_adapters_and_restores_the_base(tiny_model):
     model = lora_llama(tiny_model)
     ids = torch.randint(model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(2))
+    ids = ids.to(model.device)
     bases = {n: p.clone() for n, p in model.named_parameters() if "base_layer" in n}
     with torch.no_grad():
         plain = model(input_ids=ids).logits

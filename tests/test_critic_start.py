@@ -126,6 +126,7 @@ def test_pipeline_builds_the_critic_from_the_reward_model_and_trains(tmp_path):
                f"models.critic.path={tmp_path / 'rm'}", "models.critic.from_reward_model=true")
     pipe = Pipeline(cfg, progress=False)
     critic = pipe.models.critic
+    classifier.to(critic.head.weight.device)
     assert torch.equal(critic.head.weight, classifier.score.weight)
     backbone = dict(classifier.model.named_parameters())
     assert all(torch.equal(p, backbone[n]) for n, p in critic.backbone.named_parameters())

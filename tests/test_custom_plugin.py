@@ -8,14 +8,16 @@ from pathlib import Path
 
 import yaml
 
+from tests.conftest import NO_ISOLATION, python_path
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pip_installed_plugin_is_listed_and_used(tmp_path):
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *NO_ISOLATION, "--target",
                     str(site), str(ROOT / "examples" / "custom_plugin")], check=True, timeout=300)
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    env = {**os.environ, "PYTHONPATH": python_path(site)}
     env.pop("RLPIPE_DISABLE_PLUGIN_AUTOLOAD", None)
     rlpipe = [sys.executable, "-m", "rlpipe.cli"]
 

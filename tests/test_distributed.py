@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import final_weights as weights, logged_metrics as metrics
+from tests.conftest import final_weights as weights, logged_metrics as metrics, python_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "tiny" / "config.yaml"
@@ -42,7 +42,9 @@ def command(out_dir, *args):
             *SMALL, *args]
 
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# gloo on CPU also under RLPIPE_TEST_DEVICE=cuda: NCCL needs a GPU per process (test_gpu.py runs
+# FSDP2 on NCCL with one process).
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RLPIPE_DEVICE": "cpu"}
 
 
 def run(out_dir, *args, code=0):
@@ -149,6 +151,23 @@ def test_more_processes_than_prompts_is_refused_before_launch(tmp_path, harness)
     assert not (tmp_path / "r").exists()
 
 
+def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch):
+    """NCCL puts one rank on each GPU: 2 processes on a machine with 1 GPU are one line, not a
+    worker's 'invalid device ordinal' traceback (torch's CUDA queries faked: CI has no GPU)."""
+    from rlpipe.core.config import load_config
+    from rlpipe.core.errors import UserError
+    from rlpipe.core.launch import check_before_launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for device in ("cuda", "auto"):
+        cfg = load_config(CONFIG, ["distributed.nproc=2", f"run.device={device}"])
+        with pytest.raises(UserError, match="distributed.nproc=2 needs one CUDA device per process, "
+                                            "but torch sees 1"):
+            check_before_launch(cfg)
+    check_before_launch(load_config(CONFIG, ["distributed.nproc=2", "run.device=cpu"]))  # gloo
+
+
 def test_a_two_process_checkpoint_resumes_on_one_process(tmp_path):
     """Distributed checkpoints are sharded (torch.distributed.checkpoint, one file per rank) and
     reshard on load: a 2-process run continues on 1 process, saying that its sampling streams
@@ -190,7 +209,7 @@ def test_a_rank_that_dies_ends_the_run_with_its_error(tmp_path, harness):
     start = time.monotonic()
     result = harness.run(["run", config, f"run.output_dir={tmp_path / 'r'}", *SMALL,
                           "distributed.nproc=2", "distributed.timeout_s=60"],
-                         env={"PYTHONPATH": str(site)})
+                         env={"PYTHONPATH": python_path(site), "RLPIPE_DEVICE": "cpu"})
     harness.error(result, "rank one cannot score")
     assert time.monotonic() - start < 200
 

@@ -1,6 +1,7 @@
 """Checkpoints that load without rlpipe (``checkpoints/step-N/policy``: transformers for a full
 actor, peft for a LoRA adapter) and ``rlpipe export`` (merged or adapter), on real tiny runs."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,9 @@ IDS = torch.tensor([[1, 5, 9, 13, 20, 7]])
 
 
 def logits(model) -> torch.Tensor:
+    """On CPU (a copy of a model that sits on a GPU), so both sides of a comparison run alike."""
+    if next(model.parameters()).device.type != "cpu":
+        model = copy.deepcopy(model).cpu()
     with torch.no_grad():
         return model.eval()(input_ids=IDS).logits
 

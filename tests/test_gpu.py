@@ -120,3 +120,45 @@ def test_fsdp2_world_of_one_on_nccl(nccl_world_of_one, tiny_model, bf16):
         grad = p.grad.full_tensor()
         assert grad.dtype == torch.float32, name
         torch.testing.assert_close(grad, q.grad, atol=tol, rtol=tol * 10)
+
+
+def test_sampler_draws_the_same_tokens_on_cuda_as_on_cpu():
+    """The sampler's uniforms come from the CPU generator on every device: the same seed and
+    scores give the same tokens on the GPU as on the CPU (before the fix: CUDA's own stream)."""
+    from rlpipe.plugins.collectors.hf import sample_from_scores
+
+    scores = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    torch.manual_seed(5)
+    on_cpu, logp_cpu = sample_from_scores(scores)
+    torch.manual_seed(5)
+    on_gpu, logp_gpu = sample_from_scores(scores.cuda())
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+    torch.testing.assert_close(logp_gpu.cpu(), logp_cpu, atol=1e-5, rtol=0)
+
+
+def test_checkpoint_carries_the_cuda_rng(tmp_path):
+    """A checkpoint restores the CUDA generator too (what dropout or a plugin draws on the GPU)."""
+    pipe = Pipeline(tiny(tmp_path), progress=False)
+    torch.cuda.manual_seed(11)
+    state = pipe.state_dict()
+    want = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed(12)
+    pipe.load_state_dict(state)
+    assert torch.equal(torch.rand(4, device="cuda"), want)
+
+
+TRAJECTORY_TOL = 1e-3   # float32 on both; no TF32 (torch's default for matmuls)
+
+
+def test_tiny_example_on_cuda_follows_the_cpu_trajectory(tmp_path):
+    """The tiny example, 10 steps, on CUDA and on CPU: the same sampled responses (the sampler's
+    uniforms come from the CPU generator) and every logged metric within TRAJECTORY_TOL."""
+    runs = {}
+    for device in ("cuda", "cpu"):
+        cfg = load_config(TINY, [f"run.output_dir={tmp_path / device}", f"run.device={device}"])
+        runs[device] = metrics(Pipeline(cfg, progress=False).train())
+    assert len(runs["cuda"]) == len(runs["cpu"]) == 10
+    for a, b in zip(runs["cuda"], runs["cpu"]):
+        for key, value in b.items():
+            if not key.startswith(("time/", "perf/")):
+                assert a[key] == pytest.approx(value, abs=TRAJECTORY_TOL), (a["step"], key)

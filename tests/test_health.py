@@ -14,6 +14,7 @@ from rlpipe.core.config import HealthConfig, load_config
 from rlpipe.core.errors import UserError
 from rlpipe.core.health import History, Monitor, examine, load_rules, slope
 from rlpipe.core.pipeline import Pipeline
+from tests.conftest import NO_ISOLATION
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
@@ -311,7 +312,7 @@ def test_third_party_rule_through_the_entry_point(tmp_path, monkeypatch):
         '[project.entry-points."rlpipe.health"]\nscore_drop = "acme_health:ScoreDrop"\n'
         '[tool.setuptools]\npackages = ["acme_health"]\n')
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *NO_ISOLATION, "--target",
                     str(site), str(package)], check=True, timeout=300)
     monkeypatch.delenv(registry.DISABLE_ENV, raising=False)
     monkeypatch.syspath_prepend(str(site))  # a new sys.path: the registry scans metadata again

@@ -38,7 +38,7 @@ def greedy_reference(model, tokenizer, prompt: str, max_new_tokens: int) -> tupl
     response = []
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            logits = model(input_ids=torch.tensor([ids + response])).logits[0, -1]
+            logits = model(input_ids=torch.tensor([ids + response], device=model.device)).logits[0, -1]
             response.append(int(logits.argmax()))
             if response[-1] == tokenizer.eos_token_id:
                 return response, True
@@ -229,7 +229,7 @@ def test_peft_wrapped_actor_generates_like_its_base(ctx):
     wrapped = peft.get_peft_model(ctx.actor, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                                              task_type="CAUSAL_LM"))
     wrapped.generation_config.repetition_penalty = 5.0       # must not leak in either
-    ctx_peft = RunContext(tokenizer=ctx.tokenizer, actor=wrapped)
+    ctx_peft = RunContext(tokenizer=ctx.tokenizer, actor=wrapped, device=ctx.device)
     batch = HFCollector(ctx_peft, max_new_tokens=6, temperature=0).collect(PROMPTS)
     assert torch.equal(batch[schema.RESPONSE_IDS], reference[schema.RESPONSE_IDS])  # LoRA B starts at 0
     assert wrapped.get_base_model().generation_config.repetition_penalty == 5.0
@@ -264,7 +264,7 @@ def test_sample_from_scores_draws_softmax_and_never_a_masked_token(block):
 def test_collector_draws_from_the_processed_distribution(ctx, tiny_model, tiny_tokenizer):
     """First tokens of 3000 samples of one prompt at temperature 0.8 and top-k 4: their
     frequencies match softmax(logits / 0.8) over the top 4, computed here in float64."""
-    ids = tiny_tokenizer("the cat sat on the mat", return_tensors="pt").input_ids
+    ids = tiny_tokenizer("the cat sat on the mat", return_tensors="pt").input_ids.to(ctx.device)
     with torch.no_grad():
         logits = tiny_model(input_ids=ids).logits[0, -1].double() / 0.8
     top = logits.topk(4).indices

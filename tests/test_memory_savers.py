@@ -13,6 +13,7 @@ from rlpipe.core.errors import UserError
 from rlpipe.core.models import (Models, checkpointing, enable_checkpointing, response_logprobs,
                                 unwrap)
 from rlpipe.core.pipeline import Pipeline
+from tests.conftest import TEST_DEVICE
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 GC = ["models.actor.gradient_checkpointing=true", "models.critic.gradient_checkpointing=true"]
@@ -119,7 +120,7 @@ def test_offloaded_reference_visits_the_device_only_while_used():
 
 def test_offloaded_reference_in_a_run(tmp_path):
     pipe = Pipeline(tiny(tmp_path, "models.reference.offload=true"), progress=False)
-    assert pipe.models.offload_to == torch.device("cpu")
+    assert pipe.models.offload_to == torch.device(TEST_DEVICE)  # where it visits for a forward
     _, metrics = pipe.step()
     assert metrics["kl/ref"] == pytest.approx(0.0, abs=1e-6)  # reference == the sampling policy
     assert next(pipe.models.frozen_reference.parameters()).device.type == "cpu"

@@ -15,6 +15,7 @@ from rlpipe.core import schema as S
 from rlpipe.core.pipeline import Pipeline
 from rlpipe.core.samples import sample_files, sample_rows, step_stats
 
+from tests.conftest import TEST_DEVICE
 from tests.test_trainer import rows, tiny
 
 
@@ -224,7 +225,7 @@ def test_status_lines_and_final_summary(tmp_path, capfd):
     for phase in ("loading models from", "actor ", "critic ", "reference ", "building plugins",
                   "data: 200 prompts"):
         assert f"rlpipe: {phase}" in err, (phase, err)
-    assert "params, float32, cpu" in err
+    assert f"params, float32, {TEST_DEVICE}" in err
     assert "step 1/1  reward " in err
     assert "Writing model shards" not in err and "Loading weights" not in err  # transformers' bars
     summary = result.stdout.splitlines()

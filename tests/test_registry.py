@@ -12,6 +12,7 @@ from tensordict import TensorDict
 
 from rlpipe.core import registry, schema
 from rlpipe.core.registry import PluginError
+from tests.conftest import python_path
 
 BUILTINS = {("collectors", "hf"), ("rewards", "length"), ("rewards", "loop"),
             ("advantages", "gae"), ("losses", "ppo")}
@@ -109,7 +110,7 @@ def test_plain_reward_function_is_wrapped(fake_site):
 
 
 def test_cli_plugins_lists_broken_plugin_and_exits_zero(fake_site):
-    env = {**os.environ, "PYTHONPATH": str(fake_site)}
+    env = {**os.environ, "PYTHONPATH": python_path(fake_site)}
     env.pop(registry.DISABLE_ENV, None)
     out = subprocess.run([sys.executable, "-m", "rlpipe.cli", "plugins"], env=env,
                          capture_output=True, text=True, timeout=120)

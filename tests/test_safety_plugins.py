@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from tensordict import TensorDict
 
 from rlpipe.cli import main
+from tests.conftest import python_path
 from rlpipe.core import guards, registry, schema
 from rlpipe.core.errors import UserError
 from rlpipe.core.registry import PluginError
@@ -231,14 +232,14 @@ def test_debug_shows_the_plugins_traceback(installed, tmp_path):
 def test_sys_exit_in_a_real_process_is_not_a_silent_success(site, tmp_path, harness, collector,
                                                             fragments):
     config = write_config(tmp_path, collector={"name": collector, "max_new_tokens": 6})
-    result = harness.run(["run", config, "--no-progress"], env={"PYTHONPATH": str(site),
+    result = harness.run(["run", config, "--no-progress"], env={"PYTHONPATH": python_path(site),
                                                                  registry.DISABLE_ENV: ""})
     line = harness.error(result, *fragments)
     assert line.endswith("(--debug shows the traceback)")
 
 
 def test_plugins_lists_the_others_when_one_exits_at_import(site, harness):
-    result = harness.run(["plugins"], env={"PYTHONPATH": str(site), registry.DISABLE_ENV: ""})
+    result = harness.run(["plugins"], env={"PYTHONPATH": python_path(site), registry.DISABLE_ENV: ""})
     assert result.returncode == 0, result.stderr
     rows = {tuple(line.split()[:2]): line for line in result.stdout.splitlines()}
     assert "broken: failed to import evilplug_exit:Reward: sys.exit(3)" in rows[("rewards", "exit_import")]

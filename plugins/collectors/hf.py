@@ -140,7 +140,8 @@ class HFCollector(Collector):
 
 def sample_from_scores(scores: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row drawn from ``softmax(scores)`` by inverse CDF, one uniform per row from
-    torch's global generator, and its log-prob. The search runs in two levels: over the running
+    torch's global CPU generator (on every device, so a CUDA run draws what a CPU run draws and the
+    checkpointed CPU RNG state covers it), and its log-prob. The search runs in two levels: over the running
     sums of blocks of ``block`` entries, then inside the chosen block (both in float64), so that
     no [rows, vocab] cumulative sum is built. A token whose score is -inf (masked by top-k /
     top-p / min_new_tokens) is never drawn.
@@ -159,7 +160,7 @@ def sample_from_scores(scores: torch.Tensor, block: int = 128) -> tuple[torch.Te
     weights = weights.view(rows, -1, block)
     cum = weights.sum(-1).double().cumsum(-1)                # [rows, blocks] running mass
     total = cum[:, -1:]
-    u = torch.rand(rows, 1, dtype=torch.float64, device=scores.device) * total
+    u = torch.rand(rows, 1, dtype=torch.float64).to(scores.device) * total
     b = _last_positive(torch.searchsorted(cum, u, right=True), cum.diff(dim=-1, prepend=cum[:, :1] * 0))
     inside = weights[torch.arange(rows, device=scores.device), b.squeeze(1)].double()
     ends = inside.cumsum(-1)
