@@ -66,6 +66,13 @@ class LossContract:
     - ``rollout_weights``: the loss multiplies each token's policy-gradient term by
       ``rollout_is_weight`` when the micro-batch carries it (``rollout_correction.mode`` tis or
       mis, `rlpipe.core.rollout_correction`). Default False: those modes are then an error.
+    - ``critic_terms``: the ``loss_*`` entries that depend on ``value_pred`` and on no actor
+      output (``log_prob``, ``entropy``), where no other entry depends on ``value_pred``. With a
+      critic of its own (not a shared backbone) the trainer then runs the actor's forward and
+      backward first (``value_pred`` standing in as the rollout's ``value``, detached), and the
+      critic's after it (``log_prob`` and ``entropy`` detached): the two models' activations
+      are never held at once, and each gets the gradient of the joint backward. Default ():
+      one forward of both, one backward.
 
     >>> LossContract(entropy="maybe")
     Traceback (most recent call last):
@@ -79,8 +86,13 @@ class LossContract:
     approx_kl_metric: str | None = None
     metrics: Mapping[str, str] = field(default_factory=dict)
     rollout_weights: bool = False
+    critic_terms: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if isinstance(self.critic_terms, str) or not all(
+                isinstance(k, str) and k.startswith("loss_") for k in self.critic_terms):
+            raise ValueError(f"LossContract.critic_terms must be a tuple of loss_* names, "
+                             f"got {self.critic_terms!r}")
         if self.entropy not in ENTROPY_MODES:
             raise ValueError(f"LossContract.entropy must be one of {ENTROPY_MODES}, "
                              f"got {self.entropy!r}")

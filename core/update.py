@@ -21,7 +21,7 @@ from rlpipe.core.data import PtxStream
 from rlpipe.core.errors import UserError
 from rlpipe.core.loss import (LossContract, add_parts, contract_of, exceeds, finish,
                               micro_parts)
-from rlpipe.core.models import checkpointing, logprobs_and_values
+from rlpipe.core.models import checkpointing, logprobs_and_values, response_values
 
 S = schema
 
@@ -56,17 +56,40 @@ class Updater:
 
     def _micro_step(self, micro: TensorDict) -> TensorDict:
         """Forward the current models on one micro-batch as the loss's contract asks, run the
-        loss, backward; return its output."""
+        loss, backward; return its output. With declared ``critic_terms`` and a critic of its
+        own: the actor's forward and backward, then the critic's (`LossContract.critic_terms`)."""
         m, need = self.models, self.contract
         inputs = [micro[k] for k in (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)]
+        split = bool(need.critic_terms) and m.critic is not None and not m.critic.shared
         logp, entropy, values = logprobs_and_values(
-            m.actor, m.critic, inputs, self.temperature, with_entropy=need.entropy != "none",
-            entropy_grad=need.entropy == "grad", truncation=self.truncation)
+            m.actor, None if split else m.critic, inputs, self.temperature,
+            with_entropy=need.entropy != "none", entropy_grad=need.entropy == "grad",
+            truncation=self.truncation)
         micro[S.LOG_PROB] = logp
         if entropy is not None:
             micro[S.ENTROPY] = entropy
         if values is not None:
             micro[S.VALUE_PRED] = values
+        if split:  # the actor's terms now; value_pred stands in (its terms are dropped)
+            micro[S.VALUE_PRED] = micro[S.VALUE].detach()
+            sum(v for k, v in self._loss(micro).items()
+                if k.startswith("loss_") and k not in need.critic_terms).backward()
+            micro[S.LOG_PROB] = logp.detach()   # same numbers: the metrics below are the joint's
+            if entropy is not None:
+                micro[S.ENTROPY] = entropy.detach()
+            micro[S.VALUE_PRED] = response_values(m.critic, *inputs)
+        out = self._loss(micro)
+        losses = [v for k, v in out.items() if k.startswith("loss_")]
+        self.bad_terms += [k for k, v in out.items() if k.startswith("loss_")
+                           and k not in self.bad_terms and guards.nonfinite(v)]
+        total = sum(losses)
+        (sum(out[k] for k in need.critic_terms if k in out.keys()) if split else total).backward()
+        out["loss_total"] = total.detach()
+        return out
+
+    def _loss(self, micro: TensorDict) -> TensorDict:
+        """The loss plugin's output on ``micro``, with the trainer's ``loss_kl`` where it adds it."""
+        need = self.contract
         out = registry.call(self.loss, micro)  # an error in the plugin names it
         terms = guards.loss_terms(out, self.loss)
         if S.KL_COEF in micro.keys():  # kl.in: loss -- the KL penalty as a loss term
@@ -78,12 +101,6 @@ class Updater:
             elif "loss_kl" not in terms:
                 raise UserError(f"{registry.label_of(self.loss)} declares kl_term but wrote no "
                                 f"loss_kl with kl.in: loss")
-        losses = [v for k, v in out.items() if k.startswith("loss_")]
-        self.bad_terms += [k for k, v in out.items() if k.startswith("loss_")
-                           and k not in self.bad_terms and guards.nonfinite(v)]
-        total = sum(losses)
-        total.backward()
-        out["loss_total"] = total.detach()
         return out
 
     def _optimizer_step(self, train_actor: bool, loss_total: float) -> bool:

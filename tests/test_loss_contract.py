@@ -16,8 +16,8 @@ from rlpipe.plugins.losses.ppo import PPOLoss
 
 def test_defaults_are_the_documented_ones():
     c = LossContract()
-    assert (c.entropy, c.values, c.kl_term, c.approx_kl_metric, dict(c.metrics)) == \
-        ("grad", True, False, None, {})
+    assert (c.entropy, c.values, c.kl_term, c.approx_kl_metric, dict(c.metrics),
+            c.critic_terms) == ("grad", True, False, None, {}, ())
     assert c.reduction("anything/at_all") == "token"
 
 
@@ -30,8 +30,8 @@ def test_a_loss_without_contract_gets_the_defaults():
 
 def test_ppo_declares_its_needs():
     c = contract_of(PPOLoss())
-    assert (c.entropy, c.values, c.kl_term, c.approx_kl_metric) == \
-        ("detached", True, True, "policy/approx_kl")
+    assert (c.entropy, c.values, c.kl_term, c.approx_kl_metric, c.critic_terms) == \
+        ("detached", True, True, "policy/approx_kl", ("loss_critic",))
     assert c.reduction("value/explained_var") == "explained_var"
     assert c.reduction("policy/clipfrac") == "token"
     assert contract_of(PPOLoss(entropy_coef=0.1)).entropy == "grad"
@@ -39,7 +39,8 @@ def test_ppo_declares_its_needs():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"entropy": "yes"}, "entropy"), ({"metrics": {"a/b": "median"}}, "median")])
+    ({"entropy": "yes"}, "entropy"), ({"metrics": {"a/b": "median"}}, "median"),
+    ({"critic_terms": "loss_critic"}, "critic_terms"), ({"critic_terms": ("value",)}, "loss_")])
 def test_bad_declarations_fail_at_class_definition(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LossContract(**kwargs)

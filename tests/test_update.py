@@ -31,7 +31,9 @@ def test_critic_warmup_leaves_the_actor_unchanged(tmp_path):
 
 
 class NaNLoss(torch.nn.Module):
-    """Wraps a loss and makes its objective NaN for the first ``n`` calls."""
+    """Wraps a loss and makes its objective NaN in the first ``n`` micro-batches (the calls whose
+    ``value_pred`` has a graph: one per micro-batch, also where PPO's ``critic_terms`` make two
+    calls)."""
 
     def __init__(self, loss, n):
         super().__init__()
@@ -39,7 +41,7 @@ class NaNLoss(torch.nn.Module):
 
     def forward(self, td: TensorDict):
         out = self.loss(td)
-        if self.n > 0:
+        if self.n > 0 and td[S.VALUE_PRED].requires_grad:
             self.n -= 1
             out["loss_objective"] = out["loss_objective"] * float("nan")
         return out
@@ -121,25 +123,70 @@ def updater(pipe, loss, *settings):
 class Recording(PPOLoss):
     """PPOLoss that records, per call, whether ``entropy`` and ``value_pred`` came, with a graph."""
 
-    def __init__(self, entropy: str, **kwargs):
+    def __init__(self, entropy: str, critic_terms=(), **kwargs):
         super().__init__(**kwargs)
-        self.contract = dataclasses.replace(self.contract, entropy=entropy)
+        self.contract = dataclasses.replace(self.contract, entropy=entropy,
+                                            critic_terms=critic_terms)
         self.seen = []
 
     def forward(self, td):
-        got = {k: td.get(k).requires_grad for k in (S.ENTROPY, S.VALUE_PRED) if k in td.keys()}
+        got = {k: td.get(k).requires_grad for k in (S.LOG_PROB, S.ENTROPY, S.VALUE_PRED)
+               if k in td.keys()}
         self.seen.append(got)
         return super().forward(td)
 
 
-@pytest.mark.parametrize("entropy, expected", [("grad", {S.ENTROPY: True, S.VALUE_PRED: True}),
-                                               ("detached", {S.ENTROPY: False, S.VALUE_PRED: True}),
-                                               ("none", {S.VALUE_PRED: True})])
+@pytest.mark.parametrize("entropy, expected", [
+    ("grad", {S.LOG_PROB: True, S.ENTROPY: True, S.VALUE_PRED: True}),
+    ("detached", {S.LOG_PROB: True, S.ENTROPY: False, S.VALUE_PRED: True}),
+    ("none", {S.LOG_PROB: True, S.VALUE_PRED: True})])
 def test_the_trainer_computes_what_the_loss_declares(rollout, entropy, expected):
     pipe, batch = rollout
     loss = Recording(entropy)
     updater(pipe, loss).update(batch.clone())
     assert loss.seen and all(seen == expected for seen in loss.seen)
+
+
+def test_declared_critic_terms_split_the_pass_actor_first(rollout):
+    """With ``critic_terms``, each micro-batch calls the loss twice: the actor's pass (log_prob
+    and entropy with a graph, value_pred a detached stand-in), then the critic's (value_pred
+    with a graph, the actor's outputs detached); the critic's forward starts after the actor's
+    backward (its gradients are there), so the two models' activations are never held at once.
+    Without the declaration: one call, the critic's forward before any backward."""
+    pipe, batch = rollout
+    for terms, calls in ((("loss_critic",), [{S.LOG_PROB: True, S.ENTROPY: True, S.VALUE_PRED: False},
+                                            {S.LOG_PROB: False, S.ENTROPY: False, S.VALUE_PRED: True}]),
+                         ((), [{S.LOG_PROB: True, S.ENTROPY: True, S.VALUE_PRED: True}])):
+        models = copy.deepcopy(pipe.models)
+        loss, actor_grads = Recording("grad", critic_terms=terms, entropy_coef=0.01), []
+        models.critic.register_forward_pre_hook(lambda *_: actor_grads.append(
+            all(p.grad is not None for p in models.actor.parameters() if p.requires_grad)))
+        Updater(pipe.cfg, models, loss, pipe.temperature, pipe.device, pipe.dist).update(batch.clone())
+        assert loss.seen == calls * (len(loss.seen) // len(calls)) and loss.seen, terms
+        assert actor_grads and all(actor_grads) == bool(terms) and any(actor_grads) == bool(terms)
+
+
+@pytest.mark.parametrize("loss_args, kl_coef", [({}, 0.0), ({"entropy_coef": 0.01}, 0.05),
+                                                ({"value_clip": None, "vf_coef": 0.1}, 0.0)])
+def test_split_pass_gives_the_joint_update_exactly(rollout, loss_args, kl_coef):
+    """PPO declares ``critic_terms``: its two-pass update equals the one-pass update of the same
+    loss without the declaration, metric for metric and weight for weight, bit for bit."""
+    pipe, batch = rollout
+    got = {}
+    for terms in (("loss_critic",), ()):
+        models, loss = copy.deepcopy(pipe.models), PPOLoss(**loss_args)
+        loss.contract = dataclasses.replace(loss.contract, critic_terms=terms)
+        cfg = copy.deepcopy(pipe.cfg)
+        cfg.train.epochs, cfg.train.grad_accum = 2, 2
+        metrics = Updater(cfg, models, loss, pipe.temperature, pipe.device,
+                          pipe.dist).update(batch.clone(), kl_coef=kl_coef)
+        weights = {f"{name}.{k}": v.detach().clone() for name in ("actor", "critic")
+                   for k, v in getattr(models, name).named_parameters()}
+        got[terms] = metrics, weights
+    (split, split_w), (joint, joint_w) = got.values()
+    assert split == joint
+    assert split_w.keys() == joint_w.keys() and all(torch.equal(split_w[k], joint_w[k])
+                                                    for k in split_w)
 
 
 def test_target_kl_without_a_declared_metric_is_a_build_time_error():

@@ -130,7 +130,7 @@ class PPOLoss(PipelineLoss):
     APPROX_KL_ESTIMATOR = "k2"
     contract = LossContract(
         entropy="grad", values=True, kl_term=True, approx_kl_metric="policy/approx_kl",
-        rollout_weights=True,
+        rollout_weights=True, critic_terms=("loss_critic",),
         metrics={"policy/loss": "token", "policy/clipfrac": "token",
                  "policy/clipfrac_lower": "token", "policy/approx_kl": "token",
                  "policy/entropy": "token", "value/loss": "token", "value/clipfrac": "token",
