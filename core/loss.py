@@ -69,7 +69,7 @@ class LossContract:
     - ``critic_terms``: the ``loss_*`` entries that depend on ``value_pred`` and on no actor
       output (``log_prob``, ``entropy``), where no other entry depends on ``value_pred``. With a
       critic of its own (not a shared backbone) the trainer then runs the actor's forward and
-      backward first (``value_pred`` standing in as the rollout's ``value``, detached), and the
+      backward first (the rollout's ``value``, detached, standing in for ``value_pred``), and the
       critic's after it (``log_prob`` and ``entropy`` detached): the two models' activations
       are never held at once, and each gets the gradient of the joint backward. Default ():
       one forward of both, one backward.

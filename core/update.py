@@ -72,8 +72,10 @@ class Updater:
             micro[S.VALUE_PRED] = values
         if split:  # the actor's terms now; value_pred stands in (its terms are dropped)
             micro[S.VALUE_PRED] = micro[S.VALUE].detach()
-            sum(v for k, v in self._loss(micro).items()
-                if k.startswith("loss_") and k not in need.critic_terms).backward()
+            actor_terms = [v for k, v in self._loss(micro).items()
+                           if k.startswith("loss_") and k not in need.critic_terms]
+            if actor_terms:
+                sum(actor_terms).backward()
             micro[S.LOG_PROB] = logp.detach()   # same numbers: the metrics below are the joint's
             if entropy is not None:
                 micro[S.ENTROPY] = entropy.detach()

@@ -140,10 +140,10 @@ class HFCollector(Collector):
 
 def sample_from_scores(scores: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row drawn from ``softmax(scores)`` by inverse CDF, one uniform per row from
-    torch's global CPU generator (on every device, so a CUDA run draws what a CPU run draws and the
-    checkpointed CPU RNG state covers it), and its log-prob. The search runs in two levels: over the running
-    sums of blocks of ``block`` entries, then inside the chosen block (both in float64), so that
-    no [rows, vocab] cumulative sum is built. A token whose score is -inf (masked by top-k /
+    torch's global CPU generator (on every device: a CUDA run draws what a CPU run draws, and a
+    checkpoint's CPU RNG state covers it), and its log-prob. The search runs in two levels: over
+    the running sums of blocks of ``block`` entries, then inside the chosen block (both in
+    float64), so that no [rows, vocab] cumulative sum is built. A token whose score is -inf (masked by top-k /
     top-p / min_new_tokens) is never drawn.
 
     >>> _ = torch.manual_seed(0)
