@@ -16,10 +16,18 @@ A collector (group ``rlpipe.collectors``) is a class with ``collect(prompts) -> 
   ``engine_hidden``, the input of the actor's LM head for each response token; core calls it
   (`request_hidden`) when a shared-backbone critic can read its rollout values from that instead
   of a forward. Default None: not offered.
+- ``record_actor_log_prob(temperature, truncation)``: a collector whose engine is the actor's own
+  module, in the trainer's precision, can write ``actor_log_prob``: the log-prob of each drawn
+  token under ``softmax(logits / temperature)`` (restricted to ``truncation``'s kept set when it
+  is not None), computed from the sampling pass's own logits, before any processor (EOS
+  suppression, top-k, top-p) changes them. It is the number the trainer's scoring forward
+  computes, up to float round-off, so core (`request_actor_log_prob`, under
+  ``rollout_correction.old_log_prob``) takes it as ``old_log_prob`` instead of running that
+  forward. Default None: not offered.
 
-`rlpipe.plugins.collectors.base.Collector` declares all three; a collector that does not subclass
-it gets the defaults listed in `rlpipe.core.registry.DECLARED`. A value of the wrong kind, or an error raised while reading it
-(a property), is one line naming the plugin.
+`rlpipe.plugins.collectors.base.Collector` declares the attributes; a collector that does not
+subclass it gets the defaults listed in `rlpipe.core.registry.DECLARED`. A value of the wrong kind,
+or an error raised while reading it (a property), is one line naming the plugin.
 
 >>> class Bare:
 ...     def collect(self, prompts): ...
@@ -80,6 +88,17 @@ def collector_truncation(collector) -> Truncation | None:
                         f"got {top_k!r}, {top_p!r}")
     truncation = Truncation(top_k, top_p)
     return truncation if truncation.active and collector_temperature(collector) > 0 else None
+
+
+def request_actor_log_prob(collector, temperature: float, truncation: Truncation | None) -> bool:
+    """Ask the collector to write ``actor_log_prob`` from now on, under the trainer's scoring
+    distribution (its ``record_actor_log_prob(temperature, truncation)``); False where it declares
+    no ``record_actor_log_prob``."""
+    record = _attribute(collector, "record_actor_log_prob")
+    if record is None:
+        return False
+    registry.call(record, temperature, truncation)
+    return True
 
 
 def request_hidden(collector) -> bool:

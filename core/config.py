@@ -133,6 +133,11 @@ class RolloutCorrectionConfig:
     not loss arguments: it changes what the pipeline computes (bypass skips a forward) and any
     loss that declares LossContract.rollout_weights applies it."""
     mode: Literal["none", "tis", "mis", "bypass"] = "none"
+    # who computes old_log_prob with mode none: "recompute", a no-grad actor forward over the
+    # rollout; "sampling", the sampling pass itself, where the collector offers it (HF: the
+    # engine is the actor); "auto", sampling when it matches the forward within float32 round-off
+    # (collector offers it, actor in float32, no bf16 mixed precision), else recompute
+    old_log_prob: Literal["auto", "recompute", "sampling"] = "auto"
     level: Literal["token", "sequence"] = "token"   # weight per token, or per sequence (product)
     threshold: float = num(2.0, ">= 1")   # C: tis truncates at C, mis keeps [1/C, C]
 

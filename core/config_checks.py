@@ -14,7 +14,9 @@ what needs several keys, or a plugin's signature, or the model's ``config.json``
   ``max_prompt_tokens`` is lowered to fit), and so does ``ptx.max_tokens``;
 - the ``health`` section: installed rule names, each rule's parameters (`rlpipe.core.health`).
 - a ``rollout_correction.mode`` other than none, with top-k / top-p sampling, needs
-  ``collector.score_truncated: true`` (else every weight carries the truncation's bias).
+  ``collector.score_truncated: true`` (else every weight carries the truncation's bias);
+  ``rollout_correction.old_log_prob: sampling`` needs mode none (the other modes measure the
+  engine against a trainer forward, or take the engine's log-probs).
 """
 
 from __future__ import annotations
@@ -200,6 +202,10 @@ def check_context(cfg) -> None:
 def check_rollout_correction(cfg) -> None:
     """Weights against truncated engine log-probs need the trainer to score truncated too."""
     mode = cfg.rollout_correction.mode
+    if mode != "none" and cfg.rollout_correction.old_log_prob == "sampling":
+        raise UserError(f"rollout_correction.old_log_prob: sampling needs rollout_correction.mode: "
+                        f"none, got {mode} (which compares the engine with a trainer forward, or, "
+                        f"bypass, takes the engine's own log-probs); use old_log_prob: auto")
     temperature, _ = collector_arg(cfg, "temperature")
     top_k, _ = collector_arg(cfg, "top_k")
     top_p, _ = collector_arg(cfg, "top_p")

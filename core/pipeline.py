@@ -31,7 +31,7 @@ from rlpipe.core import rollout_correction as correction
 from rlpipe.core.config import Config
 from rlpipe.core.context import RunContext
 from rlpipe.core.collectors import (close_collector, collector_temperature, collector_truncation,
-                                   request_hidden)
+                                   request_actor_log_prob, request_hidden)
 from rlpipe.core.critic_start import CriticWarmup
 from rlpipe.core.data import PromptStream
 from rlpipe.core.cpu_memory import keep_freed_memory
@@ -98,13 +98,16 @@ class Pipeline(RunState):
             self.plugins = build.build_plugins(cfg, self.ctx)
         self.status.say(f"plugins ready in {took():.1f} s")
         self.temperature = collector_temperature(self.plugins.collector)
-        # bypass + a critic on the actor's backbone: rollout values from the sampling pass's own
-        # hidden states (one backbone forward less per step), where the collector offers them
-        critic = self.models.critic
-        self.values_from_rollout = (cfg.rollout_correction.mode == "bypass" and critic is not None
-                                    and critic.shared and not self.dist.enabled
-                                    and request_hidden(self.plugins.collector))
         self.truncation = collector_truncation(self.plugins.collector)  # score_truncated
+        self.old_from_sampling = self._old_log_prob_from_sampling()
+        self.collected_keys = (*_INPUTS, S.GROUP_ID, S.FINISHED,
+                               *([S.ACTOR_LOG_PROB] if self.old_from_sampling else []))
+        # no actor forward in scoring + a critic on the actor's backbone: rollout values from the
+        # sampling pass's own hidden states (no backbone forward at all), where offered
+        critic = self.models.critic
+        self.values_from_rollout = ((cfg.rollout_correction.mode == "bypass" or self.old_from_sampling)
+                                    and critic is not None and critic.shared and not self.dist.enabled
+                                    and request_hidden(self.plugins.collector))
         self.data.use_tokenizer(self.models.tokenizer)
         check_reward_columns(self.plugins.rewards, self.data, "data.prompts")
         self.prompts = PromptStream(list(range(len(self.data))), cfg.data.batch_size,
@@ -126,6 +129,23 @@ class Pipeline(RunState):
         self.step_count = 0
         self.stopped_by: str | None = None  # the health rule (health.stop_on) that stopped train()
 
+    def _old_log_prob_from_sampling(self) -> bool:
+        """``rollout_correction.old_log_prob``: True when old_log_prob is the collector's
+        ``actor_log_prob`` (the sampling pass's own logits) instead of a no-grad actor forward."""
+        section, actor = self.cfg.rollout_correction, self.cfg.models.actor
+        exact = actor.dtype == "float32" and not self.cfg.distributed.bf16  # float32 round-off
+        if section.mode != "none" or section.old_log_prob == "recompute" or (
+                section.old_log_prob == "auto" and not exact):
+            return False
+        collector = self.plugins.collector
+        if request_actor_log_prob(collector, self.temperature, self.truncation):
+            return True
+        if section.old_log_prob == "sampling":
+            raise UserError(f"rollout_correction.old_log_prob: sampling needs a collector that "
+                            f"writes actor_log_prob, and {registry.label_of(collector)} declares "
+                            f"no record_actor_log_prob; use auto or recompute")
+        return False
+
     def _check(self, td: TensorDict, keys, where: str) -> None:
         if self.cfg.run.debug:
             schema.validate(td, keys, where)
@@ -133,12 +153,15 @@ class Pipeline(RunState):
     @torch.no_grad()
     def _score_tokens(self, td: TensorDict) -> None:
         """old_log_prob, ref_log_prob and value for every response token, in micro-batches.
-        With ``rollout_correction.mode: bypass`` old_log_prob is the engine's: no actor forward
-        (and with a shared-backbone critic, the values come from the rollout's hidden states)."""
+        With ``rollout_correction.mode: bypass`` old_log_prob is the engine's, and where
+        ``old_from_sampling`` the collector's ``actor_log_prob``: no actor forward (and with a
+        shared-backbone critic, the values come from the rollout's hidden states)."""
         m = self.models
         chunks = [[c[k] for k in _INPUTS] for c in td.split(self.cfg.train.forward_batch_size)]
-        if self.cfg.rollout_correction.mode == "bypass":
-            td[S.OLD_LOG_PROB] = td[S.ENGINE_LOG_PROB].float() * td[S.RESPONSE_MASK]
+        bypass = self.cfg.rollout_correction.mode == "bypass"
+        if bypass or self.old_from_sampling:
+            logp = td[S.ENGINE_LOG_PROB] if bypass else td.pop(S.ACTOR_LOG_PROB)
+            td[S.OLD_LOG_PROB] = logp.float() * td[S.RESPONSE_MASK]
             values = []
             if self.values_from_rollout and S.ENGINE_HIDDEN in td.keys():
                 # V(s_t) = head(the hidden state the rollout drew token t from)
@@ -173,7 +196,7 @@ class Pipeline(RunState):
         rows = _share(self.prompts.next_batch(), self.dist.rank, self.dist.world)
         collector = self.plugins.collector  # plugin calls: an error names the plugin
         batch = guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
-                                    collector, required=(*_INPUTS, S.GROUP_ID, S.FINISHED))
+                                    collector, required=self.collected_keys)
         batch = batch.to(self.device)
         self.data.attach(batch, rows)  # ("data", COLUMN) of each sample's prompt row
         self._check(batch, [*_INPUTS, S.GROUP_ID, S.FINISHED], "collector")

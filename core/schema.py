@@ -27,6 +27,8 @@ GROUP_ID = "group_id"            # [B] long: index of the prompt a sample came f
 FINISHED = "finished"            # [B] bool: ended with EOS (false: cut at max_new_tokens)
 ENGINE_LOG_PROB = "engine_log_prob"  # [B, R] float, optional: log-probs reported by the engine
 ENGINE_HIDDEN = "engine_hidden"  # [B, R, H] float, optional: the actor's LM-head input per token
+ACTOR_LOG_PROB = "actor_log_prob"  # [B, R] float, optional: the trainer's log pi(a_t|s_t) from the
+                                 # sampling pass's own logits (core/collectors.request_actor_log_prob)
 OLD_LOG_PROB = "old_log_prob"    # [B, R] float: log pi_old(a_t|s_t), trainer-side forward
 REF_LOG_PROB = "ref_log_prob"    # [B, R] float: log pi_ref(a_t|s_t)
 VALUE = "value"                  # [B, R] float: critic V(s_t) at rollout time, 0 on padding
@@ -52,15 +54,15 @@ _SPEC = {
     PROMPT_IDS: (2, "int"), PROMPT_MASK: (2, "bool"),
     RESPONSE_IDS: (2, "int"), RESPONSE_MASK: (2, "bool"),
     GROUP_ID: (1, "int"), FINISHED: (1, "bool"), ENGINE_LOG_PROB: (2, "float"),
-    ENGINE_HIDDEN: (3, "float"),
+    ENGINE_HIDDEN: (3, "float"), ACTOR_LOG_PROB: (2, "float"),
     OLD_LOG_PROB: (2, "float"), REF_LOG_PROB: (2, "float"), VALUE: (2, "float"),
     SCORE: (1, "float"), REWARD: (2, "float"), ADVANTAGE: (2, "float"), VALUE_TARGET: (2, "float"),
     ROLLOUT_IS_WEIGHT: (2, "float"),
     LOG_PROB: (2, "float"), ENTROPY: (2, "float"), VALUE_PRED: (2, "float"),
     NUM_TOKENS: (1, "float"), NUM_SEQS: (1, "float"), KL_COEF: (1, "float"),
 }
-_RESPONSE_SHAPED = {RESPONSE_MASK, ENGINE_LOG_PROB, OLD_LOG_PROB, REF_LOG_PROB, VALUE, REWARD, ADVANTAGE,
-                    VALUE_TARGET, LOG_PROB, ENTROPY, VALUE_PRED, ROLLOUT_IS_WEIGHT}
+_RESPONSE_SHAPED = {RESPONSE_MASK, ENGINE_LOG_PROB, ACTOR_LOG_PROB, OLD_LOG_PROB, REF_LOG_PROB, VALUE,
+                    REWARD, ADVANTAGE, VALUE_TARGET, LOG_PROB, ENTROPY, VALUE_PRED, ROLLOUT_IS_WEIGHT}
 
 
 def _kind(t: torch.Tensor) -> str:

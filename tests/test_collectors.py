@@ -7,7 +7,8 @@ import pytest
 
 from rlpipe.core import registry
 from rlpipe.core.collectors import (close_collector, collector_max_new_tokens,
-                                    collector_temperature, collector_truncation, request_hidden)
+                                    collector_temperature, collector_truncation, request_actor_log_prob,
+                                    request_hidden)
 from rlpipe.core.errors import UserError
 from rlpipe.plugins.collectors.hf import HFCollector
 
@@ -38,11 +39,12 @@ def test_a_bare_collector_gets_the_documented_defaults():
 
     assert DECLARED["collectors"] == {"temperature": 1.0, "max_new_tokens": 0, "close": None,
                                       "score_truncated": False, "top_k": 0, "top_p": 1.0,
-                                      "record_hidden": None}
+                                      "record_hidden": None, "record_actor_log_prob": None}
     bare = Bare()
     assert collector_temperature(bare) == 1.0 and collector_max_new_tokens(bare) == 0
     assert collector_truncation(bare) is None
     assert request_hidden(bare) is False   # no record_hidden(): no engine_hidden asked for
+    assert request_actor_log_prob(bare, 1.0, None) is False   # nor actor_log_prob
     close_collector(bare)  # no close(): nothing to do
 
 

@@ -264,8 +264,9 @@ def test_bypass_with_a_shared_critic_reads_values_from_the_rollout(tmp_path, sam
     assert (batch[S.VALUE][~mask] == 0).all()
 
 
-def test_values_come_from_a_forward_without_bypass_or_with_a_separate_critic(tmp_path):
-    for overrides in (["models.critic.path=null", "models.critic.shared_backbone=true"],
+def test_values_come_from_a_forward_when_the_actor_runs_or_with_a_separate_critic(tmp_path):
+    for overrides in (["models.critic.path=null", "models.critic.shared_backbone=true",
+                       "rollout_correction.old_log_prob=recompute"],
                       ["rollout_correction.mode=bypass"]):
         pipe = Pipeline(tiny(tmp_path, *overrides), overwrite=True, progress=False)
         assert not pipe.values_from_rollout

@@ -11,6 +11,9 @@ draws one exponential per vocabulary entry per row, which was 60% of a rollout's
 logits at temperature 1). After ``record_hidden(True)`` (core asks for it when a shared-backbone
 critic can use it) it also writes ``engine_hidden`` [B, R, H]: the input of the LM head that
 scored each response token, i.e. the actor's last hidden state of the state before the token.
+After ``record_actor_log_prob(temperature, truncation)`` it writes ``actor_log_prob``: each drawn
+token's log-prob under the trainer's scoring distribution, from the same logits, taken before
+any processor (EOS suppression, top-k, top-p) changes them; core then skips its own forward.
 
 >>> collector = HFCollector(ctx, max_new_tokens=16, n=4)       # doctest: +SKIP
 >>> batch = collector.collect(["Write a haiku."])               # doctest: +SKIP
@@ -52,6 +55,7 @@ class HFCollector(Collector):
                          chat_template=chat_template, stop_strings=stop_strings,
                          min_new_tokens=min_new_tokens, score_truncated=score_truncated)
         self.model, self.micro_batch_size, self.keep_hidden = ctx.actor, micro_batch_size, False
+        self.trainer_scoring = None  # (temperature, truncation) after record_actor_log_prob
         # The sampling warpers and the draw are ours (`_warpers`, `_Sampler`): generate runs its
         # greedy loop (do_sample=False adds no warpers) and takes the token our processor drew.
         self.generation_config = GenerationConfig(
@@ -79,6 +83,12 @@ class HFCollector(Collector):
     def record_hidden(self, on: bool = True) -> None:
         """Also write ``engine_hidden`` (see the module docstring) from the next `collect` on."""
         self.keep_hidden = on
+
+    def record_actor_log_prob(self, temperature: float, truncation=None) -> None:
+        """Also write ``actor_log_prob`` (see the module docstring) from the next `collect` on:
+        log-probs under ``softmax(logits / temperature)``, restricted to ``truncation`` (a
+        `rlpipe.core.truncation.Truncation`) when it is not None."""
+        self.trainer_scoring = (temperature, truncation)
 
     def _warpers(self) -> list:
         """The sampling warpers ``generate`` itself would add, in its order: temperature, top-k,
@@ -108,8 +118,9 @@ class HFCollector(Collector):
         width = int(prompt_mask.sum(dim=1).max())       # drop columns that are padding in every row
         prompt_ids, prompt_mask = prompt_ids[:, -width:], prompt_mask[:, -width:]
         sampled, hidden = _Sampler(draw=self.temperature > 0), []
+        scored = [] if self.trainer_scoring is None else [_TrainerLogProb(*self.trainer_scoring)]
         tracker = _EndTracker(width, len(prompt_ids), self.eos_ids, self.stop_strings, self.tokenizer,
-                              prompt_ids.device, sampled)
+                              prompt_ids.device, [sampled, *scored])
         # no_grad, not inference_mode: under FSDP2 the gathered parameters would become
         # inference tensors that the trainer's next all-gather cannot write into. `unsharded`
         # gathers the actor once, so ranks that stop after different numbers of tokens run no
@@ -120,22 +131,30 @@ class HFCollector(Collector):
             out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
                                       generation_config=self.generation_config,
                                       logits_processor=LogitsProcessorList(
-                                          [*self._min_new_tokens(width), *self._warpers(), sampled]),
+                                          [*scored, *self._min_new_tokens(width), *self._warpers(),
+                                           sampled]),
                                       stopping_criteria=StoppingCriteriaList([tracker]))
         new = out[:, width:]
         finished = tracker.lengths >= 0
         lengths = torch.where(finished, tracker.lengths, new.shape[1])
         mask = torch.arange(new.shape[1], device=new.device) < lengths[:, None]
         r = int(lengths.max())
-        logp = torch.stack(sampled.taken, dim=1)[:, :new.shape[1]] if sampled.taken else \
-            torch.zeros(new.shape, dtype=torch.float32, device=new.device)
         part = {schema.RESPONSE_IDS: new.masked_fill(~mask, self.pad_id)[:, :r],
                 schema.RESPONSE_MASK: mask[:, :r], schema.FINISHED: finished,
-                schema.ENGINE_LOG_PROB: torch.where(mask, logp, 0.0)[:, :r]}
+                schema.ENGINE_LOG_PROB: _per_token(sampled.taken, mask)[:, :r]}
+        if scored:
+            part[schema.ACTOR_LOG_PROB] = _per_token(scored[0].taken, mask)[:, :r]
         if hidden:  # one LM-head call per drawn token: prefill, then each decode step
             states = torch.stack(hidden, dim=1)[:, :r]
             part[schema.ENGINE_HIDDEN] = states * mask[:, :r, None]
         return part
+
+
+def _per_token(taken: list, mask: torch.Tensor) -> torch.Tensor:
+    """The per-step [b] log-probs ``taken`` as one [b, r] float tensor, 0 where ``mask`` is not."""
+    if not taken:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return torch.where(mask, torch.stack(taken, dim=1)[:, :mask.shape[1]], 0.0)
 
 
 def sample_from_scores(scores: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,6 +223,30 @@ class _Sampler(LogitsProcessor):
             self.taken.append(self.log_probs.gather(-1, tokens[:, None]).squeeze(-1))
 
 
+class _TrainerLogProb(LogitsProcessor):
+    """The first logits processor: keeps the logits divided by the trainer's ``temperature``
+    (temperature 0, greedy, scores at 1) before any processor changes them, and `take` records
+    the appended tokens' log-probs under the trainer's distribution: ``log_softmax``, or
+    ``truncation.log_prob`` (a `rlpipe.core.truncation.Truncation`), as `response_logprobs`."""
+
+    def __init__(self, temperature: float, truncation=None):
+        self.scale, self.truncation = temperature if temperature > 0 else 1.0, truncation
+        self.scaled, self.taken = None, []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.scaled = scores.float() / self.scale   # a new tensor: later in-place edits miss it
+        return scores
+
+    def take(self, tokens: torch.LongTensor) -> None:
+        """Record the log-prob of ``tokens`` [b], the tokens just appended."""
+        if self.truncation is not None:
+            self.taken.append(self.truncation.log_prob(self.scaled, tokens))
+        else:
+            picked = self.scaled.gather(-1, tokens[:, None]).squeeze(-1)
+            self.taken.append(picked - torch.logsumexp(self.scaled, dim=-1))
+        self.scaled = None
+
+
 class _SuppressEnd(LogitsProcessor):
     """Sets the EOS scores to -inf, in place, while the sequences are shorter than ``until``."""
 
@@ -219,12 +262,13 @@ class _SuppressEnd(LogitsProcessor):
 class _EndTracker(StoppingCriteria):
     """Stops a row at its first EOS token or stop string and records ``lengths``: how many new
     tokens the row had then (EOS / stop tokens included), -1 while it runs. Called after each
-    token is drawn, it also hands the drawn tokens to ``sampled`` (their engine log-probs)."""
+    token is drawn, it also hands the drawn tokens to each of ``takers`` (`_Sampler`,
+    `_TrainerLogProb`: their log-probs)."""
 
     def __init__(self, prompt_width, batch_size, eos_ids, stop_strings, tokenizer, device,
-                 sampled: _Sampler):
+                 takers: list):
         self.prompt_width, self.stop_strings, self.tokenizer = prompt_width, stop_strings, tokenizer
-        self.sampled = sampled
+        self.takers = takers
         self.eos_ids = torch.tensor(eos_ids, dtype=torch.long, device=device)
         self.lengths = torch.full((batch_size,), -1, dtype=torch.long, device=device)
         # A stop string of L characters spans at most 4 L tokens (byte-level tokens: 4 per char).
@@ -232,7 +276,8 @@ class _EndTracker(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         new = input_ids[:, self.prompt_width:]
-        self.sampled.take(new[:, -1])
+        for taker in self.takers:
+            taker.take(new[:, -1])
         done = torch.isin(new[:, -1], self.eos_ids)
         if self.stop_strings:
             running = (self.lengths < 0).nonzero().flatten().tolist()
