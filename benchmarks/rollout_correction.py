@@ -1,4 +1,5 @@
-"""Cost of ``rollout_correction.mode: bypass`` against the trainer's recompute (``none``), and of
+"""Cost of ``rollout_correction.mode: bypass`` against the trainer's recompute (``none`` with
+``old_log_prob: recompute``; its default, ``auto``, skips that forward too on this HF model), and of
 the mismatch preflight, on the CPU benchmark model (benchmarks/common.py ``small``).
 
     python benchmarks/rollout_correction.py [--reps 3] [--batch 16] [--new-tokens 64] [--epochs 1]
@@ -41,6 +42,7 @@ def main() -> None:
     for mode in ("none", "bypass"):
         cfg = make_config(folder, batch=args.batch, new_tokens=args.new_tokens, epochs=args.epochs)
         cfg.rollout_correction.mode = mode
+        cfg.rollout_correction.old_log_prob = "recompute"   # none: the trainer's actor forward
         cfg.run.output_dir = str(folder / f"run_{mode}")
         pipes[mode] = build_pipeline(cfg)
     times = {f"{m}/{k}": [] for m in pipes for k in ("score_s", "step_s")}

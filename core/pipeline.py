@@ -102,6 +102,9 @@ class Pipeline(RunState):
         self.old_from_sampling = self._old_log_prob_from_sampling()
         self.collected_keys = (*_INPUTS, S.GROUP_ID, S.FINISHED,
                                *([S.ACTOR_LOG_PROB] if self.old_from_sampling else []))
+        if self.old_from_sampling:
+            self.status.say("old log-probs: from the sampling pass (no actor forward in scoring; "
+                            "rollout_correction.old_log_prob)")
         # no actor forward in scoring + a critic on the actor's backbone: rollout values from the
         # sampling pass's own hidden states (no backbone forward at all), where offered
         critic = self.models.critic
