@@ -135,8 +135,9 @@ class Pipeline(RunState):
     def _old_log_prob_from_sampling(self) -> bool:
         """``rollout_correction.old_log_prob``: True when old_log_prob is the collector's
         ``actor_log_prob`` (the sampling pass's own logits) instead of a no-grad actor forward."""
-        section, actor = self.cfg.rollout_correction, self.cfg.models.actor
-        exact = actor.dtype == "float32" and not self.cfg.distributed.bf16  # float32 round-off
+        section = self.cfg.rollout_correction
+        dtype = next(self.models.actor.parameters()).dtype   # also for a model object handed in
+        exact = dtype == torch.float32 and not self.cfg.distributed.bf16   # float32 round-off
         if section.mode != "none" or section.old_log_prob == "recompute" or (
                 section.old_log_prob == "auto" and not exact):
             return False
