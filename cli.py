@@ -101,12 +101,18 @@ def run(config_path, overrides, overwrite, no_progress, resume):
         distributed.shutdown(wait=False)
         raise
     distributed.shutdown()
-    if pipeline.stopped_by is not None:  # the pipeline printed why; the run can be resumed
-        return
-    if not distributed.launched() or os.environ.get("RANK") == "0":
+    if pipeline.stopped_by is None and (not distributed.launched() or os.environ.get("RANK") == "0"):
         from rlpipe.core.console import final_summary
 
         click.echo("\n".join(final_summary(run_dir)))
+    if distributed.launched():
+        # Every file is written and the process group is gone. A worker still aborted now and
+        # then in the interpreter's teardown ("terminate called without an active exception":
+        # a C++ thread of torch.distributed destroyed while joinable) and failed a finished job,
+        # so a worker leaves without the teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @main.command("config")
