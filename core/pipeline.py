@@ -203,7 +203,7 @@ class Pipeline(RunState):
                                     collector, required=self.collected_keys)
         batch = batch.to(self.device)
         self.data.attach(batch, rows)  # ("data", COLUMN) of each sample's prompt row
-        self._check(batch, [*_INPUTS, S.GROUP_ID, S.FINISHED], "collector")
+        self._check(batch, self.collected_keys, "collector")
         correction.require_engine_log_prob(batch, self.cfg.rollout_correction.mode, collector)
         t_rollout = time.perf_counter() - t0
         # 2. log-probs of the sampling policy and the reference, values of the critic
