@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from rlpipe.core.models import cpu_has_bf16  # noqa: F401 -- vs_trl.py reads it here
+
 
 def linear_shapes(config, lm_rows_share: float = 1.0) -> list[tuple[int, int, float]]:
     """``(in, out, row share)`` of each linear layer of a Llama-like decoder ``config``: every
@@ -38,16 +40,6 @@ def linear_shapes(config, lm_rows_share: float = 1.0) -> list[tuple[int, int, fl
     block = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
     return ([(i, o, 1.0) for i, o in block] * config.num_hidden_layers
             + [(h, config.vocab_size, lm_rows_share)])
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX-BF16); without it torch
-    emulates bf16 GEMMs at a few GFLOP/s, and timing them measures nothing useful."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def measure(config, tokens: int, lm_tokens: int, dtype: torch.dtype, reps: int = 5) -> dict:

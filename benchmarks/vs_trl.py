@@ -60,8 +60,10 @@ BYPASS = ["rollout_correction.mode=bypass"]
 SHARED = ["models.critic.path=null", "models.critic.shared_backbone=true"]
 LORA = ["models.actor.lora={r: 16, alpha: 32}", "models.critic.lora={r: 16, alpha: 32}",
         "train.lr=1e-4", "train.critic_lr=1e-4"]
-FAST = {"bypass": BYPASS, "shared-critic": SHARED, "lora": LORA,
-        "fast path": BYPASS + SHARED + LORA[:1] + LORA[2:]}
+AUTOCAST = ["models.autocast=bfloat16"]  # pays only where bf16 matmuls beat float32 (AMX, GPUs)
+FAST = {"bypass": BYPASS, "shared-critic": SHARED, "lora": LORA, "autocast": AUTOCAST,
+        "fast path": BYPASS + SHARED + LORA[:1] + LORA[2:],
+        "fast path bf16": BYPASS + SHARED + LORA[:1] + LORA[2:] + AUTOCAST}
 
 
 def make_models(folder: Path, model: str) -> tuple[Path, Path]:
@@ -228,7 +230,8 @@ def parse_args(argv=None):
     p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
                    help="an extra rlpipe run with these overrides (repeatable)")
     p.add_argument("--fast", nargs="*", default=None, metavar="NAME",
-                   help=f"also run these FAST variants (none named: all of {', '.join(FAST)})")
+                   help=f"also run these FAST variants (none named: all of {', '.join(FAST)}; the "
+                        f"autocast ones only on a CPU with bf16 instructions)")
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 round, 1 timed iteration")
     p.add_argument("--no-trl", action="store_true", help="rlpipe only (no TRL environment)")
     p.add_argument("--trl-thp", action="store_true",
@@ -254,7 +257,9 @@ def main(argv=None) -> None:
         unknown = set(args.fast) - set(FAST)
         if unknown:
             sys.exit(f"--fast: unknown variant(s) {', '.join(sorted(unknown))}; known: {', '.join(FAST)}")
-        variants.update({f"rlpipe {k}": v for k, v in FAST.items() if not args.fast or k in args.fast})
+        wanted = args.fast or [k for k, v in FAST.items()  # all: bf16 only with bf16 instructions
+                               if matmul_limit.cpu_has_bf16() or not set(AUTOCAST) <= set(v)]
+        variants.update({f"rlpipe {k}": FAST[k] for k in wanted})
     for spec in args.variant:
         name, _, sets = spec.partition("=")
         variants[f"rlpipe {name}"] = [s for s in sets.split(",") if s]

@@ -163,7 +163,8 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
     offload = _check_offload(cfg, reference)
     if offload:
         reference.to("cpu")  # it visits `device` only inside Models.reference()
-    return Models(actor, reference, critic, tokenizer, device if offload else None)
+    autocast = {"none": None, "bfloat16": torch.bfloat16}[cfg.models.autocast]
+    return Models(actor, reference, critic, tokenizer, device if offload else None, autocast)
 
 
 def _check_offload(cfg: Config, reference) -> bool:

@@ -92,6 +92,9 @@ class ModelsConfig:
     actor: ModelConfig
     critic: CriticConfig = field(default_factory=CriticConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    # bfloat16: actor, critic and reference compute under torch.autocast (rollout with the HF
+    # collector, scoring, update); weights, gradients and optimizer state stay in their dtype
+    autocast: Literal["none", "bfloat16"] = "none"
 
 
 @dataclass
@@ -136,7 +139,7 @@ class RolloutCorrectionConfig:
     # who computes old_log_prob with mode none: "recompute", a no-grad actor forward over the
     # rollout; "sampling", the sampling pass itself, where the collector offers it (HF: the
     # engine is the actor); "auto", sampling when it matches the forward within float32 round-off
-    # (collector offers it, actor in float32, no bf16 mixed precision), else recompute
+    # (collector offers it, actor in float32, no bf16 mixed precision or autocast), else recompute
     old_log_prob: Literal["auto", "recompute", "sampling"] = "auto"
     level: Literal["token", "sequence"] = "token"   # weight per token, or per sequence (product)
     threshold: float = num(2.0, ">= 1")   # C: tis truncates at C, mis keeps [1/C, C]

@@ -16,7 +16,8 @@ what needs several keys, or a plugin's signature, or the model's ``config.json``
 - a ``rollout_correction.mode`` other than none, with top-k / top-p sampling, needs
   ``collector.score_truncated: true`` (else every weight carries the truncation's bias);
   ``rollout_correction.old_log_prob: sampling`` needs mode none (the other modes measure the
-  engine against a trainer forward, or take the engine's log-probs).
+  engine against a trainer forward, or take the engine's log-probs);
+- ``models.autocast`` and ``distributed.bf16`` are two ways to compute in bf16: one at a time.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def check_config(cfg, conv) -> None:
     if cfg.ptx.coef > 0 and cfg.ptx.data is None:
         raise UserError("ptx.data: required when ptx.coef > 0")
     check_rendezvous(cfg.distributed)
+    if cfg.models.autocast != "none" and cfg.distributed.bf16:
+        raise UserError("models.autocast: distributed.bf16 already computes in bf16 (FSDP mixed "
+                        "precision); set one of the two")
     check_critic_start(cfg)
     check_batches(cfg)
     check_context(cfg)

@@ -160,8 +160,20 @@ class ValueModel(nn.Module):
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
         # A new tensor, not a view (squeeze): FSDP2 warns that an in-place op on a view output
-        # would skip its pre-backward hook. Summing one element is exact.
-        return self.head(hidden).sum(-1).float()
+        # would skip its pre-backward hook. Summing one element is exact. Under autocast the
+        # head still computes in its weights' dtype: a bf16 value would keep 3 digits.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.head(hidden.to(self.head.weight.dtype)).sum(-1).float()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX-BF16); without it torch
+    emulates bf16 matmuls at a few GFLOP/s (Linux: read from /proc/cpuinfo; elsewhere False)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -180,6 +192,16 @@ class Models:
     critic: ValueModel | None
     tokenizer: object
     offload_to: torch.device | None = None  # set: the frozen reference lives on CPU, visits this
+    autocast: torch.dtype | None = None     # set: forwards run under torch.autocast (models.autocast)
+
+    def compute(self):
+        """The context every forward of actor, critic and reference runs in: ``torch.autocast``
+        to ``autocast`` on the actor's device (a fresh one per ``with``: autocast caches its
+        casts of the weights until the block ends, so a block must not span an optimizer step),
+        or a no-op."""
+        device = next(self.actor.parameters()).device.type
+        return torch.autocast(device, dtype=self.autocast or torch.bfloat16,
+                              enabled=self.autocast is not None)
 
     @contextlib.contextmanager
     def reference(self):

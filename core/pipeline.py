@@ -40,7 +40,8 @@ from rlpipe.core.evaluation import Evaluator, eval_collector
 from rlpipe.core.errors import UserError
 from rlpipe.core.health import monitor_for
 from rlpipe.core.metrics import MetricsWriter, to_float
-from rlpipe.core.models import logprobs_and_values, response_logprobs, response_values
+from rlpipe.core.models import (cpu_has_bf16, logprobs_and_values, response_logprobs,
+                                response_values)
 from rlpipe.core.ops import masked_mean
 from rlpipe.core.prompts import check_reward_columns, load_run_data
 from rlpipe.core.run_state import RunState
@@ -105,6 +106,12 @@ class Pipeline(RunState):
         if self.old_from_sampling:
             self.status.say("old log-probs: from the sampling pass (no actor forward in scoring; "
                             "rollout_correction.old_log_prob)")
+        if self.models.autocast is not None:
+            slow = self.device.type == "cpu" and not cpu_has_bf16()
+            self.status.say("autocast: actor, critic and reference compute in bfloat16 (weights, "
+                            "gradients and optimizer state stay float32; models.autocast)" +
+                            ("; this CPU has no bf16 instructions (AVX512-BF16, AMX): torch "
+                             "emulates them, far slower than float32" if slow else ""))
         # no actor forward in scoring + a critic on the actor's backbone: rollout values from the
         # sampling pass's own hidden states (no backbone forward at all), where offered
         critic = self.models.critic
@@ -137,7 +144,8 @@ class Pipeline(RunState):
         ``actor_log_prob`` (the sampling pass's own logits) instead of a no-grad actor forward."""
         section = self.cfg.rollout_correction
         dtype = next(self.models.actor.parameters()).dtype   # also for a model object handed in
-        exact = dtype == torch.float32 and not self.cfg.distributed.bf16   # float32 round-off
+        exact = (dtype == torch.float32 and not self.cfg.distributed.bf16   # float32 round-off
+                 and self.models.autocast is None)
         if section.mode != "none" or section.old_log_prob == "recompute" or (
                 section.old_log_prob == "auto" and not exact):
             return False
@@ -199,15 +207,17 @@ class Pipeline(RunState):
         self.models.actor.eval()
         rows = _share(self.prompts.next_batch(), self.dist.rank, self.dist.world)
         collector = self.plugins.collector  # plugin calls: an error names the plugin
-        batch = guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
-                                    collector, required=self.collected_keys)
+        with self.models.compute():  # models.autocast (the HF collector runs the actor)
+            batch = guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
+                                        collector, required=self.collected_keys)
         batch = batch.to(self.device)
         self.data.attach(batch, rows)  # ("data", COLUMN) of each sample's prompt row
         self._check(batch, self.collected_keys, "collector")
         correction.require_engine_log_prob(batch, self.cfg.rollout_correction.mode, collector)
         t_rollout = time.perf_counter() - t0
         # 2. log-probs of the sampling policy and the reference, values of the critic
-        self._score_tokens(batch)
+        with self.models.compute():
+            self._score_tokens(batch)
         # 3. rewards: every reward plugin, weighted and summed into the sequence score
         self.plugins.rewards(batch)
         t_score = time.perf_counter() - t0 - t_rollout
@@ -293,12 +303,14 @@ class Pipeline(RunState):
                              echo=self.dist.is_main)
         with writer:
             if self.evaluator is not None and self.step_count == 0:  # before any update
-                self._write(writer, {"step": 0, **self.evaluator.run(0, self.models.actor)})
+                with self.models.compute():
+                    self._write(writer, {"step": 0, **self.evaluator.run(0, self.models.actor)})
             while self.step_count < cfg.run.steps and self.stopped_by is None:
                 batch, metrics = self.step()
                 if self.evaluator is not None and Evaluator.due(cfg.eval.every, self.step_count,
                                                                 cfg.run.steps):
-                    metrics.update(self.evaluator.run(self.step_count, self.models.actor))
+                    with self.models.compute():
+                        metrics.update(self.evaluator.run(self.step_count, self.models.actor))
                 row = {"step": self.step_count, **metrics}
                 if self.dist.is_main:
                     health.observe(row)  # adds health/<rule> = 1 for the rules that hold

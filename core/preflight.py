@@ -114,7 +114,7 @@ def sample_and_score(pipe) -> Mismatch:
     from rlpipe.core.pipeline import _share  # the pipeline imports this module
 
     collector = pipe.plugins.collector
-    with _restored(pipe):
+    with _restored(pipe), pipe.models.compute():
         pipe.models.actor.eval()
         rows = _share(pipe.prompts.next_batch(), pipe.dist.rank, pipe.dist.world)
         batch = guards.check_output(registry.call(collector.collect, pipe.data.texts(rows)),
@@ -124,9 +124,10 @@ def sample_and_score(pipe) -> Mismatch:
                         f"{S.ENGINE_LOG_PROB!r}; there is nothing to compare the trainer with")
     batch = batch.to(pipe.device)
     chunks = [[c[k] for k in _INPUTS] for c in batch.split(pipe.cfg.train.forward_batch_size)]
-    batch[S.OLD_LOG_PROB] = torch.cat([
-        response_logprobs(pipe.models.actor, *c, pipe.temperature, truncation=pipe.truncation)[0]
-        for c in chunks])
+    with pipe.models.compute():
+        batch[S.OLD_LOG_PROB] = torch.cat([
+            response_logprobs(pipe.models.actor, *c, pipe.temperature, truncation=pipe.truncation)[0]
+            for c in chunks])
     batch = pipe.dist.gather(batch)
     return measure(batch[S.ENGINE_LOG_PROB], batch[S.OLD_LOG_PROB], batch[S.RESPONSE_MASK])
 

@@ -163,7 +163,8 @@ class Updater:
         who = registry.label_of(self.loss)
         for part in torch.arange(len(local)).tensor_split(t.grad_accum):
             micro = local[part.to(self.device)]
-            out = self._micro_step(micro)
+            with self.models.compute():  # per micro-batch: its cast of the weights is current
+                out = self._micro_step(micro)
             tokens = float(micro[S.RESPONSE_MASK].sum())
             micro_losses, micro_metrics = micro_parts(out, self.contract, tokens,
                                                       float(len(micro)), who)
@@ -171,7 +172,8 @@ class Updater:
                 losses[k] = losses.get(k, 0.0) + v
             add_parts(parts, micro_metrics)
         if self.ptx is not None and train_actor:  # PPO-ptx: LM loss on pretraining text
-            ptx_loss = self.models.actor(**self.ptx.next_batch(self.device), use_cache=False).loss
+            with self.models.compute():
+                ptx_loss = self.models.actor(**self.ptx.next_batch(self.device), use_cache=False).loss
             (self.cfg.ptx.coef * ptx_loss).backward()
             losses["loss_ptx"] = self.cfg.ptx.coef * float(ptx_loss)
             losses["loss_total"] += losses["loss_ptx"]

@@ -279,8 +279,8 @@ class NanSkips(Rule):
     reads = ("train/skipped_minibatches",)
     panel = "skipped"
     remedy = ("non-finite losses or gradients: lower train.lr, keep train.max_grad_norm set, "
-              "train in float32 (models.actor.dtype, distributed.bf16), or set reward.clip; "
-              "train.max_bad_steps in a row stop the run")
+              "train in float32 (models.actor.dtype, models.autocast, distributed.bf16), or set "
+              "reward.clip; train.max_bad_steps in a row stop the run")
 
     def check(self, h: History) -> str | None:
         skipped = h.last("train/skipped_minibatches", self.window)

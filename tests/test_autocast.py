@@ -1,0 +1,103 @@
+"""``models.autocast: bfloat16``: actor, critic and reference compute under ``torch.autocast`` in
+the rollout (HF collector), scoring and update, while weights, gradients and optimizer state stay
+float32 and the value head computes in float32. Checked here: what runs in bf16 and what does
+not, the log-probs against a float64 oracle within bf16 round-off, that old log-probs are then
+recomputed (the sampling pass is not the update's forward within float32 round-off) so that the
+first step's KL is exactly 0, and the refusal next to ``distributed.bf16``."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlpipe.core import schema as S
+from rlpipe.core.config import load_config
+from rlpipe.core.errors import UserError
+from rlpipe.core.models import response_logprobs
+from rlpipe.core.pipeline import Pipeline
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
+INPUTS = (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)
+
+
+def tiny(tmp_path, *overrides):
+    return load_config(TINY, [f"run.output_dir={tmp_path / 'run'}", "run.steps=2", *overrides])
+
+
+def record_dtypes(modules: dict) -> tuple[dict, list]:
+    """Forward hooks that collect the output dtypes of each named module."""
+    seen = {name: set() for name in modules}
+
+    def hook(name):
+        return lambda module, args, out: seen[name].add(out.dtype)
+    return seen, [m.register_forward_hook(hook(name)) for name, m in modules.items()]
+
+
+def first_linear(module: torch.nn.Module) -> torch.nn.Module:
+    return next(m for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_autocast_runs_the_models_in_bf16_and_keeps_float32_state(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "models.autocast=bfloat16"), progress=False)
+    m = pipe.models
+    probes = {"actor": first_linear(m.actor), "critic": first_linear(m.critic.backbone),
+              "reference": first_linear(m.frozen_reference), "value head": m.critic.head}
+    seen, hooks = record_dtypes(probes)
+    try:
+        _, metrics = pipe.step()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen["actor"] == {torch.bfloat16}        # rollout and update (scoring recomputes)
+    assert seen["critic"] == {torch.bfloat16}
+    assert seen["reference"] == {torch.bfloat16}
+    assert seen["value head"] == {torch.float32}    # a bf16 value would keep 3 digits
+    for model in (m.actor, m.critic):
+        for p in model.parameters():
+            assert p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)
+    states = [s for opt in pipe.updater.opts.values() for s in opt.state.values()]
+    assert states and all(v.dtype == torch.float32 for s in states for k, v in s.items()
+                          if k in ("exp_avg", "exp_avg_sq"))
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items()
+               if isinstance(v, float) and k.startswith(("loss", "policy/", "value/")))
+    # the collector, scoring and update ran in bf16 only inside the step: nothing leaks out
+    assert first_linear(m.actor)(torch.ones(1, first_linear(m.actor).in_features)).dtype \
+        == torch.float32
+
+
+def test_autocast_log_probs_match_a_float64_oracle_within_bf16_round_off(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "models.autocast=bfloat16"), progress=False)
+    with pipe.models.compute():
+        batch = pipe.plugins.collector.collect(["Hi", "The weather today is very", "Once"])
+    inputs = [batch[k] for k in INPUTS]
+    mask = batch[S.RESPONSE_MASK]
+    oracle = copy.deepcopy(pipe.models.actor).double()
+    with torch.no_grad():
+        exact, _ = response_logprobs(oracle, *inputs, pipe.temperature)
+        with pipe.models.compute():
+            mixed, _ = response_logprobs(pipe.models.actor, *inputs, pipe.temperature)
+        full, _ = response_logprobs(pipe.models.actor, *inputs, pipe.temperature)
+    assert mixed.dtype == torch.float32 and mask.sum() > 5
+    err = (mixed.double() - exact)[mask].abs()
+    assert err.max() < 0.01                    # bf16 keeps 8 bits: about 1e-3 nats here
+    assert err.max() > 1e-5                    # and it did run in bf16: float32 is at 1e-6
+    assert ((full.double() - exact)[mask].abs().max()) < 1e-5
+
+
+def test_autocast_recomputes_old_log_probs_and_starts_at_zero_kl(tmp_path):
+    pipe = Pipeline(tiny(tmp_path, "models.autocast=bfloat16"), progress=False)
+    assert not pipe.old_from_sampling        # auto: the sampling pass is not exact in bf16
+    _, metrics = pipe.step()
+    assert metrics["kl/ref"] == 0.0          # actor and reference: the same bf16 computation
+    float32 = Pipeline(tiny(tmp_path / "f32"), progress=False)
+    assert float32.old_from_sampling         # the default run takes them from the sampling pass
+
+
+def test_autocast_next_to_fsdp_bf16_is_refused(tmp_path):
+    with pytest.raises(UserError, match="models.autocast: distributed.bf16 already"):
+        tiny(tmp_path, "models.autocast=bfloat16", "distributed.bf16=true")
+    with pytest.raises(UserError, match="models.autocast"):
+        tiny(tmp_path, "models.autocast=float16")
