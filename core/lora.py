@@ -81,10 +81,13 @@ def merged_weights(model: nn.Module):
     try:
         for layer, names in layers:
             weight = layer.base_layer.weight
-            merged = _buffer(layer, weight)
-            torch.addmm(weight, *_factors(layer, names[0]), out=merged, alpha=layer.scaling[names[0]])
+            merged = _buffer(layer, weight, _autocast_dtype(weight))
+            total = merged if merged.dtype == weight.dtype else torch.empty_like(weight)
+            torch.addmm(weight, *_factors(layer, names[0]), out=total, alpha=layer.scaling[names[0]])
             for name in names[1:]:
-                merged.addmm_(*_factors(layer, name), alpha=layer.scaling[name])
+                total.addmm_(*_factors(layer, name), alpha=layer.scaling[name])
+            if total is not merged:  # kept in autocast's dtype: no cast of it at every token
+                merged.copy_(total)
             swapped.append((layer, weight, list(layer.merged_adapters)))
             layer.base_layer.weight = nn.Parameter(merged, requires_grad=False)
             layer.merged_adapters = names  # peft's forward now runs the base layer alone
@@ -101,11 +104,21 @@ def _factors(layer: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.lora_B[name].weight.to(dtype), layer.lora_A[name].weight.to(dtype)
 
 
-def _buffer(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
-    """The layer's cached merged-weight buffer, made anew when the weight's shape, dtype or
-    device changed."""
+def _autocast_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype autocast computes a linear layer with this float32 ``weight`` in, here (its
+    own dtype where autocast is off). Autocast keeps its cast of a weight only for a trainable
+    leaf; a merged copy in float32 would be cast again at every decoding step."""
+    device = weight.device.type
+    if weight.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+def _buffer(layer: nn.Module, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's cached merged-weight buffer in ``dtype``, made anew when the weight's shape
+    or device, or ``dtype``, changed."""
     buf = _BUFFERS.get(layer)
-    if buf is None or buf.shape != weight.shape or buf.dtype != weight.dtype \
+    if buf is None or buf.shape != weight.shape or buf.dtype != dtype \
             or buf.device != weight.device:
-        buf = _BUFFERS[layer] = torch.empty_like(weight, requires_grad=False)
+        buf = _BUFFERS[layer] = torch.empty_like(weight, dtype=dtype, requires_grad=False)
     return buf

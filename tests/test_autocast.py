@@ -3,7 +3,8 @@ the rollout (HF collector), scoring and update, while weights, gradients and opt
 float32 and the value head computes in float32. Checked here: what runs in bf16 and what does
 not, the log-probs against a float64 oracle within bf16 round-off, that old log-probs are then
 recomputed (the sampling pass is not the update's forward within float32 round-off) so that the
-first step's KL is exactly 0, and the refusal next to ``distributed.bf16``."""
+first step's KL is exactly 0, the refusal next to ``distributed.bf16``, and the HF collector's
+merged LoRA weights kept in bf16."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 from rlpipe.core import schema as S
 from rlpipe.core.config import load_config
 from rlpipe.core.errors import UserError
+from rlpipe.core.lora import allow_merging, merged_weights
 from rlpipe.core.models import response_logprobs
 from rlpipe.core.pipeline import Pipeline
 
@@ -101,3 +104,33 @@ def test_autocast_next_to_fsdp_bf16_is_refused(tmp_path):
         tiny(tmp_path, "models.autocast=bfloat16", "distributed.bf16=true")
     with pytest.raises(UserError, match="models.autocast"):
         tiny(tmp_path, "models.autocast=float16")
+
+
+def test_merged_lora_weights_are_kept_in_the_autocast_dtype(tiny_model):
+    """The HF collector's merged LoRA weights (`merged_weights`) under autocast: kept in bf16, as
+    autocast would cast them (a float32 copy is not a trainable leaf, so autocast would cast it
+    again at every decoding step); the logits stay within bf16 round-off of a float64 oracle,
+    and the float32 base weights come back untouched."""
+    torch.manual_seed(1)
+    model = allow_merging(get_peft_model(
+        copy.deepcopy(tiny_model).float(),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)).eval())
+    oracle = copy.deepcopy(model).double()
+    ids = torch.randint(model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(2))
+    ids = ids.to(model.device)
+    bases = {n: p.clone() for n, p in model.named_parameters() if "base_layer" in n}
+    with torch.no_grad():
+        exact = oracle(input_ids=ids).logits
+        with torch.autocast(model.device.type, dtype=torch.bfloat16):
+            with merged_weights(model) as merged:
+                dtypes = {m.base_layer.weight.dtype for m in model.modules()
+                          if hasattr(m, "lora_A")}
+                fused = model(input_ids=ids).logits
+            adapters = model(input_ids=ids).logits   # the adapters' own path, autocast
+    assert merged == 14 and dtypes == {torch.bfloat16}
+    scale = exact.abs().max()
+    for logits in (fused, adapters):
+        err = (logits.double() - exact).abs().max() / scale
+        assert 1e-4 < err < 6e-2    # bf16 (8 bits) ran: 1e-2 here, float32 5e-7
+    assert all(p.dtype == torch.float32 and torch.equal(p, bases[n])
+               for n, p in model.named_parameters() if n in bases)
