@@ -3,12 +3,14 @@ the rollout (HF collector), scoring and update, while weights, gradients and opt
 float32 and the value head computes in float32. Checked here: what runs in bf16 and what does
 not, the log-probs against a float64 oracle within bf16 round-off, that old log-probs are then
 recomputed (the sampling pass is not the update's forward within float32 round-off) so that the
-first step's KL is exactly 0, the refusal next to ``distributed.bf16``, and the HF collector's
-merged LoRA weights kept in bf16."""
+first step's KL is exactly 0, the refusal next to ``distributed.bf16``, the HF collector's merged
+LoRA weights kept in bf16, and whole runs with the fast path, the preflight and evaluation."""
 
 from __future__ import annotations
 
 import copy
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from rlpipe.core.config import load_config
 from rlpipe.core.errors import UserError
 from rlpipe.core.lora import allow_merging, merged_weights
 from rlpipe.core.models import response_logprobs
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.pipeline import Pipeline, train
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 INPUTS = (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)
@@ -136,3 +138,22 @@ def test_merged_lora_weights_are_kept_in_the_autocast_dtype(tiny_model):
         assert 1e-4 < err < 6e-2    # bf16 (8 bits) ran: 1e-2 here, float32 5e-7
     assert all(p.dtype == torch.float32 and torch.equal(p, bases[n])
                for n, p in model.named_parameters() if n in bases)
+
+
+@pytest.mark.parametrize("setup", [
+    # the fast path: merged LoRA rollout, values from the rollout's hidden states
+    ["models.actor.lora.r=4", "models.critic.shared_backbone=true", "rollout_correction.mode=bypass"],
+    ["run.preflight=true", "eval.prompts={prompts}", "eval.max_prompts=4", "eval.every=1"],
+])
+def test_autocast_trains_the_fast_path_and_with_preflight_and_evaluation(tmp_path, setup):
+    prompts = TINY.parent / "prompts.txt"
+    cfg = tiny(tmp_path, "models.autocast=bfloat16", *[s.format(prompts=prompts) for s in setup])
+    run_dir = train(cfg, progress=False)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] >= 1]
+    assert [r["step"] for r in steps] == [1, 2] and (run_dir / "final").is_dir()
+    for row in steps:
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
+        assert "value/explained_var" in row            # a critic trained
+    if "run.preflight=true" in setup:                  # evaluation at step 0 and after each step
+        assert [r["step"] for r in rows if any(k.startswith("eval/") for k in r)] == [0, 1, 2]
