@@ -20,6 +20,7 @@ without.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -65,8 +66,10 @@ def _chunks(rows: list[int], count: int) -> list[list[int]]:
 class Evaluator:
     """Runs the evaluation of one run: `run` at the steps `due` names."""
 
-    def __init__(self, cfg, data: PromptData, collector, rewards, dist, device, run_dir: Path):
+    def __init__(self, cfg, data: PromptData, collector, rewards, dist, device, run_dir: Path,
+                 compute=contextlib.nullcontext):
         self.cfg, self.data, self.collector, self.rewards = cfg.eval, data, collector, rewards
+        self.compute = compute  # the context the actor's forwards run in (`Models.compute`)
         self.dist, self.device, self.seed = dist, device, cfg.run.seed
         self.samples_dir = Path(run_dir) / SAMPLES_DIR
         n = len(data) if cfg.eval.max_prompts is None else min(len(data), cfg.eval.max_prompts)
@@ -90,7 +93,7 @@ class Evaluator:
         devices = [self.device] if self.device.type == "cuda" else []
         python_rng = random.getstate()
         try:
-            with torch.random.fork_rng(devices=devices):
+            with torch.random.fork_rng(devices=devices), self.compute():
                 torch.manual_seed(self.seed + step)
                 registry.call(self.collector.sync_weights, actor)
                 local = [s for rows in self.parts for s in self._samples(rows)]

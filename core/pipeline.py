@@ -130,7 +130,8 @@ class Pipeline(RunState):
             self.eval_data.use_tokenizer(self.models.tokenizer)
             check_reward_columns(self.plugins.rewards, self.eval_data, "eval.prompts")
             self.evaluator = Evaluator(cfg, self.eval_data, eval_collector(cfg, self.ctx),
-                                       self.plugins.rewards, self.dist, self.device, self.run_dir)
+                                       self.plugins.rewards, self.dist, self.device, self.run_dir,
+                                       self.models.compute)
         self.kl_ctl = (kl.AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
                        if cfg.kl.target is not None else kl.FixedKLController(cfg.kl.coef))
         self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device,
@@ -303,14 +304,12 @@ class Pipeline(RunState):
                              echo=self.dist.is_main)
         with writer:
             if self.evaluator is not None and self.step_count == 0:  # before any update
-                with self.models.compute():
-                    self._write(writer, {"step": 0, **self.evaluator.run(0, self.models.actor)})
+                self._write(writer, {"step": 0, **self.evaluator.run(0, self.models.actor)})
             while self.step_count < cfg.run.steps and self.stopped_by is None:
                 batch, metrics = self.step()
                 if self.evaluator is not None and Evaluator.due(cfg.eval.every, self.step_count,
                                                                 cfg.run.steps):
-                    with self.models.compute():
-                        metrics.update(self.evaluator.run(self.step_count, self.models.actor))
+                    metrics.update(self.evaluator.run(self.step_count, self.models.actor))
                 row = {"step": self.step_count, **metrics}
                 if self.dist.is_main:
                     health.observe(row)  # adds health/<rule> = 1 for the rules that hold
