@@ -164,7 +164,10 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
     if offload:
         reference.to("cpu")  # it visits `device` only inside Models.reference()
     autocast = {"none": None, "bfloat16": torch.bfloat16}[cfg.models.autocast]
-    return Models(actor, reference, critic, tokenizer, device if offload else None, autocast)
+    # one process: FSDP2's hooks are not proven with the prefix's extra forward before backward
+    shared = cfg.models.shared_prefix and cfg.distributed.nproc == 1
+    return Models(actor, reference, critic, tokenizer, device if offload else None, autocast,
+                  shared)
 
 
 def _check_offload(cfg: Config, reference) -> bool:

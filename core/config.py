@@ -95,6 +95,9 @@ class ModelsConfig:
     # bfloat16: actor, critic and reference compute under torch.autocast (rollout with the HF
     # collector, scoring, update); weights, gradients and optimizer state stay in their dtype
     autocast: Literal["none", "bfloat16"] = "none"
+    # prompt tokens every row of a forward begins with (a system prompt, an instruction) run
+    # once, their KV cache repeated to the rows (core/prefix.py); same math, fewer tokens
+    shared_prefix: bool = True
 
 
 @dataclass

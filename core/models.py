@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlpipe.core import prefix
 from rlpipe.core.errors import UserError
 from rlpipe.core.model_files import check_model_dir, check_remote_code, check_weights, loading
 from rlpipe.core.ops import pad_positions, token_logprobs, trim_padding
@@ -153,9 +155,9 @@ class ValueModel(nn.Module):
                                 "the critic backbone")
         return cls(backbone, backbone.config.hidden_size)
 
-    def forward(self, input_ids, attention_mask, position_ids):
+    def forward(self, input_ids, attention_mask, position_ids, use_cache: bool = False, **cache):
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids, use_cache=False)
+                            position_ids=position_ids, use_cache=use_cache, **cache)
         return self.values(out.last_hidden_state)
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -193,6 +195,7 @@ class Models:
     tokenizer: object
     offload_to: torch.device | None = None  # set: the frozen reference lives on CPU, visits this
     autocast: torch.dtype | None = None     # set: forwards run under torch.autocast (models.autocast)
+    shared_prefix: bool = False             # run a shared prompt prefix once (models.shared_prefix)
 
     def compute(self):
         """The context every forward of actor, critic and reference runs in: ``torch.autocast``
@@ -221,11 +224,15 @@ class Models:
                 ref.to("cpu")
 
 
-def _joined(prompt_ids, prompt_mask, response_ids, response_mask):
-    ids = torch.cat([prompt_ids, response_ids], dim=1)
-    mask = torch.cat([prompt_mask, response_mask], dim=1).long()
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    return ids, mask, position_ids
+def _cache_arg(model: nn.Module, shared_prefix: bool) -> str | None:
+    """The name ``model``'s forward takes a KV cache by, for `rlpipe.core.prefix.run`; None
+    without ``shared_prefix`` or while its blocks recompute in backward (`checkpointing`:
+    transformers then drops a cache)."""
+    if not shared_prefix or any(getattr(m, "gradient_checkpointing", False) is True and m.training
+                                for m in model.modules()):
+        return None
+    base = unwrap(model.backbone if isinstance(model, ValueModel) else model)
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -235,21 +242,22 @@ def _accepts_logits_to_keep(model) -> bool:
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                       temperature: float = 1.0, with_entropy: bool = False,
-                      entropy_grad: bool = True, truncation=None):
+                      entropy_grad: bool = True, truncation=None, shared_prefix: bool = False):
     """log pi(a_t|s_t) for each response token, [B, R] float32 (0 on padding), and optionally
     the per-token entropy (without a graph when ``entropy_grad`` is False: a metric only, which
     spares autograd a saved [B, R, vocab] tensor). Temperature 0 (greedy) scores with
     temperature 1. ``truncation`` (a `rlpipe.core.truncation.Truncation`): score under the
     sampler's top-k / top-p distribution, renormalised (the entropy stays the full one's).
-    Columns that are padding in every row are not run (`trim_padding`)."""
+    Columns that are padding in every row are not run (`trim_padding`); with ``shared_prefix``,
+    prompt tokens every row begins with run once (`rlpipe.core.prefix`)."""
     width = response_ids.shape[1]
     prompt_ids, prompt_mask, response_ids, response_mask = trim_padding(
         prompt_ids, prompt_mask, response_ids, response_mask)
-    ids, mask, pos = _joined(prompt_ids, prompt_mask, response_ids, response_mask)
-    R = response_ids.shape[1]
-    kwargs = {"logits_to_keep": R + 1} if _accepts_logits_to_keep(model) else {}
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
-                   **kwargs).logits
+    R, keep = response_ids.shape[1], _accepts_logits_to_keep(model)
+    logits = prefix.run(functools.partial(model, **({"logits_to_keep": R + 1} if keep else {})),
+                        functools.partial(model, **({"logits_to_keep": 1} if keep else {})),
+                        prompt_ids, prompt_mask, response_ids, response_mask,
+                        _cache_arg(model, shared_prefix)).logits
     start, scale = logits.shape[1] - (R + 1), temperature if temperature > 0 else 1.0
     logp, entropy = token_logprobs(logits, response_ids, start, scale, with_entropy, entropy_grad)
     if truncation is not None:  # the kept set needs the whole [B, R, vocab] slice
@@ -258,28 +266,32 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     return pad_positions(logp * response_mask, width), pad_positions(entropy, width)
 
 
-def response_values(critic: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask):
+def response_values(critic: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask,
+                    shared_prefix: bool = False):
     """V(s_t) for each response token (the state before token t is produced), [B, R], 0 on
-    padding. Columns that are padding in every row are not run (`trim_padding`)."""
+    padding. Columns that are padding in every row are not run (`trim_padding`); with
+    ``shared_prefix``, prompt tokens every row begins with run once (`rlpipe.core.prefix`)."""
     width = response_ids.shape[1]
     prompt_ids, prompt_mask, response_ids, response_mask = trim_padding(
         prompt_ids, prompt_mask, response_ids, response_mask)
-    ids, mask, pos = _joined(prompt_ids, prompt_mask, response_ids, response_mask)
     R = response_ids.shape[1]
-    values = critic(input_ids=ids, attention_mask=mask, position_ids=pos)
+    values = prefix.run(critic, critic.backbone, prompt_ids, prompt_mask, response_ids,
+                        response_mask, _cache_arg(critic, shared_prefix))
     return pad_positions(values[:, -(R + 1):-1] * response_mask, width)
 
 
 def logprobs_and_values(actor, critic: ValueModel | None, inputs: list, temperature: float = 1.0,
-                        with_entropy: bool = False, entropy_grad: bool = True, truncation=None):
+                        with_entropy: bool = False, entropy_grad: bool = True, truncation=None,
+                        shared_prefix: bool = False):
     """``(log_prob, entropy, value)`` of `response_logprobs` and `response_values` (value None
     without a critic). A critic on the actor's own backbone costs no second pass: its values are
     read from the backbone output of the actor's forward (a forward hook)."""
     kwargs = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                  truncation=truncation)
+                  truncation=truncation, shared_prefix=shared_prefix)
     if critic is None or not critic.shared:
         logp, entropy = response_logprobs(actor, *inputs, **kwargs)
-        return logp, entropy, None if critic is None else response_values(critic, *inputs)
+        return logp, entropy, (None if critic is None else
+                               response_values(critic, *inputs, shared_prefix=shared_prefix))
     width, inputs = inputs[2].shape[1], trim_padding(*inputs)
     seen = []
     hook = critic.backbone.register_forward_hook(lambda module, args, out: seen.append(out))

@@ -126,7 +126,8 @@ def sample_and_score(pipe) -> Mismatch:
     chunks = [[c[k] for k in _INPUTS] for c in batch.split(pipe.cfg.train.forward_batch_size)]
     with pipe.models.compute():
         batch[S.OLD_LOG_PROB] = torch.cat([
-            response_logprobs(pipe.models.actor, *c, pipe.temperature, truncation=pipe.truncation)[0]
+            response_logprobs(pipe.models.actor, *c, pipe.temperature, truncation=pipe.truncation,
+                              shared_prefix=pipe.models.shared_prefix)[0]
             for c in chunks])
     batch = pipe.dist.gather(batch)
     return measure(batch[S.ENGINE_LOG_PROB], batch[S.OLD_LOG_PROB], batch[S.RESPONSE_MASK])

@@ -1,0 +1,217 @@
+"""``models.shared_prefix``: prompt tokens that every row of a forward begins with run once, at
+batch size 1, and their KV cache is repeated to the rows (`rlpipe.core.prefix`). Checked here:
+which prefix counts as shared, that the rows' hidden states and every parameter's gradient equal
+the whole forward's in float64 (for Llama, Qwen2 and GPT-2), that log-probs and values agree
+within float32 round-off, that no prefix is shared while blocks recompute in backward (gradient
+checkpointing) or for a sliding-window cache, the error for a model that ignores the cache, and
+that a run with it gives the metrics and weights of a run without it."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from rlpipe.core import prefix
+from rlpipe.core.config import load_config
+from rlpipe.core.errors import UserError
+from rlpipe.core.models import ValueModel, checkpointing, enable_checkpointing, response_logprobs
+from rlpipe.core.models import response_values
+from rlpipe.core.pipeline import Pipeline
+from tests.conftest import final_weights, logged_metrics
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
+SHARED, REST, R = 12, (3, 5, 1, 4), 6  # a 12-token prefix, then 3, 5, 1, 4 tokens of each prompt
+
+
+def configs():
+    small = dict(vocab_size=64, num_attention_heads=4)
+    return {
+        "llama": transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_key_value_heads=2, **small),
+        "qwen2": transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_key_value_heads=2, **small),
+        "gpt2": transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64,
+                                        bos_token_id=0, eos_token_id=0),
+    }
+
+
+def batch(seed: int = 0):
+    """Left-padded prompts that begin with the same SHARED tokens, right-padded responses."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(1, 64, (SHARED,), generator=g)
+    prompts = [torch.cat([head, torch.randint(1, 64, (k,), generator=g)]) for k in REST]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, True
+    response_ids = torch.randint(1, 64, (len(prompts), R), generator=g)
+    response_mask = torch.ones(len(prompts), R, dtype=torch.bool)
+    response_mask[1, 3:] = response_mask[2, 5:] = False
+    return ids, mask, response_ids, response_mask
+
+
+def counting(module, calls: list):
+    """``module`` called through a recorder of the prefill calls' input shapes."""
+    def prefill(**kwargs):
+        calls.append(tuple(kwargs["input_ids"].shape))
+        return module(**kwargs)
+    return prefill
+
+
+def cache_arg(model) -> str:
+    """The forward's name for a KV cache (``cache`` from transformers 5.24 on)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def test_shared_length_counts_the_common_real_tokens():
+    ids, mask, _, _ = batch()
+    assert prefix.shared_length(ids, mask, min_saved=1) == SHARED
+    assert prefix.shared_length(ids, mask) == 0  # 3 rows x 12 tokens saved < MIN_SAVED_TOKENS
+    assert prefix.shared_length(ids, mask, min_saved=3 * SHARED) == SHARED
+    assert prefix.shared_length(ids, mask, min_saved=3 * SHARED + 1) == 0
+    other = ids.clone()
+    other[3, other.shape[1] - REST[3] - SHARED + 5] += 1  # row 3 differs at its 6th token
+    assert prefix.shared_length(other, mask, min_saved=1) == 5
+    holes = mask.clone()
+    holes[0, -1] = False  # padding after a real token: not left padding, nothing shared
+    assert prefix.shared_length(ids, holes, min_saved=1) == 0
+    assert prefix.shared_length(ids[:1], mask[:1], min_saved=1) == 0  # one row saves nothing
+    # the shortest prompt keeps its last token (it scores the first response token)
+    row = torch.tensor([5, 6, 7, 8])
+    assert prefix.shared_length(torch.stack([row, row]), torch.ones(2, 4, dtype=torch.bool),
+                                min_saved=1) == 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_rows_and_gradients_equal_the_whole_forward_in_float64(arch, monkeypatch):
+    monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(configs()[arch]).double().eval()
+    inputs = batch()
+    hidden_size = model.config.hidden_size
+    weight = torch.randn(1, R + 1, hidden_size, dtype=torch.float64,  # a loss on every entry
+                         generator=torch.Generator().manual_seed(4))
+    outputs, grads, calls = [], [], []
+    for name in (None, cache_arg(model)):
+        model.zero_grad(set_to_none=True)
+        hidden = prefix.run(model, counting(model, calls), *inputs, name).last_hidden_state
+        rows = hidden[:, -(R + 1):]  # the last prompt token and the response
+        (rows * weight).sum().backward()
+        outputs.append(rows.detach())
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    assert calls == [(1, SHARED)]  # the shared forward ran its prefix once, the whole one not
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(model.parameters()))
+    # transformers' RMSNorm computes in float32 (GPT-2's LayerNorm in float64): the gradient
+    # through it carries float32 rounding, so Llama and Qwen2 agree to float32 round-off there
+    tol = 1e-10 if arch == "gpt2" else 1e-6
+    for k in grads[0]:
+        scale = float(grads[0][k].abs().max())
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=tol, atol=tol * scale, msg=k)
+
+
+def test_log_probs_and_values_agree_within_float32_round_off(monkeypatch):
+    monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
+    torch.manual_seed(1)
+    cfg = configs()["llama"]
+    actor = transformers.LlamaForCausalLM(cfg).eval()
+    critic = ValueModel(transformers.LlamaModel(cfg), cfg.hidden_size)
+    inputs = batch(1)
+    calls = []
+    monkeypatch.setattr(prefix, "_prefilled", lambda *a, _f=prefix._prefilled: calls.append(1)
+                        or _f(*a))
+    for share in (False, True):
+        out = (response_logprobs(actor, *inputs, temperature=0.7, with_entropy=True,
+                                 shared_prefix=share),
+               response_values(critic, *inputs, shared_prefix=share))
+        if not share:
+            whole = out
+    assert len(calls) == 2
+    for a, b in zip([*whole[0], whole[1]], [*out[0], out[1]]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert (out[0][0][~inputs[3]] == 0).all() and (out[1][~inputs[3]] == 0).all()
+
+
+def test_no_prefix_is_shared_while_blocks_recompute_in_backward(monkeypatch):
+    monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
+    torch.manual_seed(2)
+    actor = transformers.LlamaForCausalLM(configs()["llama"]).eval()
+    inputs = batch(2)
+    whole = response_logprobs(actor, *inputs)[0]
+    enable_checkpointing(actor)
+    calls = []
+    monkeypatch.setattr(prefix, "_prefilled", lambda *a, _f=prefix._prefilled: calls.append(1)
+                        or _f(*a))
+    with checkpointing(actor):  # transformers would drop the cache: the whole forward runs
+        logp = response_logprobs(actor, *inputs, shared_prefix=True)[0]
+        logp.sum().backward()
+    assert calls == []
+    torch.testing.assert_close(logp.detach(), whole, rtol=1e-5, atol=1e-6)
+    response_logprobs(actor, *inputs, shared_prefix=True)  # outside the update: shared again
+    assert calls == [1]
+
+
+def test_sliding_window_caches_run_whole_and_an_ignored_cache_is_an_error(monkeypatch):
+    monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
+    torch.manual_seed(3)
+    cfg = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                   use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    model = transformers.Qwen2Model(cfg).eval()
+    inputs = batch(3)
+    calls = []
+    whole = prefix.run(model, model, *inputs, None).last_hidden_state
+    out = prefix.run(model, counting(model, calls), *inputs, cache_arg(model)).last_hidden_state
+    assert calls == [(1, SHARED)]  # the prefix ran, its sliding-window cache was not used
+    torch.testing.assert_close(out, whole, rtol=0, atol=0)
+
+    llama = transformers.LlamaModel(configs()["llama"]).eval()
+
+    def ignores_cache(**kwargs):
+        kwargs.pop(cache_arg(llama))
+        return llama(**kwargs)
+    with pytest.raises(UserError, match="models.shared_prefix: false"):
+        prefix.run(ignores_cache, llama, *batch(), cache_arg(llama))
+
+
+def instruction_run(tmp_path: Path, shared: bool) -> Path:
+    """One step of the tiny example on prompts that begin with a 30-token instruction."""
+    lines = (TINY.parent / "prompts.txt").read_text().splitlines()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"Answer in one short sentence, kindly and plainly, without "
+                               f"repeating yourself: {x}\n" for x in lines if x.strip()))
+    out = tmp_path / f"run_{shared}"
+    cfg = load_config(TINY, [f"run.output_dir={out}", "run.steps=1", f"data.prompts={prompts}",
+                             f"models.shared_prefix={str(shared).lower()}"])
+    Pipeline(cfg, progress=False).train()
+    return out
+
+
+def test_a_run_with_a_shared_prefix_gives_the_same_metrics_and_weights(tmp_path, monkeypatch):
+    prefilled = []
+    monkeypatch.setattr(prefix, "_prefilled", lambda *a, _f=prefix._prefilled:
+                        prefilled.append(a[1].shape) or _f(*a))
+    runs = {s: instruction_run(tmp_path, s) for s in (False, True)}
+    # scoring (16 rows: actor's old log-probs come from sampling; reference and critic) and the
+    # update (8-row micro-batches, actor and critic, 2 epochs x 2 minibatches) shared their prefix
+    assert len(prefilled) >= 2 + 2 * 2 * 2, prefilled
+    assert all(shape[1] >= 20 for shape in prefilled)
+    [off], [on] = logged_metrics(runs[False]), logged_metrics(runs[True])
+    assert off.keys() == on.keys()
+    for k, v in off.items():
+        if k.endswith("clipfrac"):  # round-off may move a token of ~800 across the clip edge
+            assert on[k] == pytest.approx(v, abs=3e-3), k
+        elif isinstance(v, float):
+            assert on[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
+        else:
+            assert on[k] == v, k
+    weights = final_weights(runs[False]), final_weights(runs[True])
+    assert weights[0].keys() == weights[1].keys()
+    for k in weights[0]:  # AdamW moves each weight by ~lr (1e-3) per step, whatever its
+        # gradient's size: round-off in a near-zero gradient shows at a fraction of that
+        torch.testing.assert_close(weights[1][k], weights[0][k], rtol=0, atol=1e-5)
