@@ -2,7 +2,8 @@
 batch size 1, and their KV cache is repeated to the rows (`rlpipe.core.prefix`). Checked here:
 which prefix counts as shared, that the rows' hidden states and every parameter's gradient equal
 the whole forward's in float64 (for Llama, Qwen2 and GPT-2), that log-probs and values agree
-within float32 round-off, that no prefix is shared while blocks recompute in backward (gradient
+within float32 round-off (also for a LoRA actor, its reference and a critic on its backbone),
+that no prefix is shared while blocks recompute in backward (gradient
 checkpointing) or for a sliding-window cache, the error for a model that ignores the cache, and
 that a run with it gives the metrics and weights of a run without it."""
 
@@ -18,8 +19,8 @@ import transformers
 from rlpipe.core import prefix
 from rlpipe.core.config import load_config
 from rlpipe.core.errors import UserError
-from rlpipe.core.models import ValueModel, checkpointing, enable_checkpointing, response_logprobs
-from rlpipe.core.models import response_values
+from rlpipe.core.models import (ValueModel, checkpointing, enable_checkpointing,
+                                logprobs_and_values, response_logprobs, response_values)
 from rlpipe.core.pipeline import Pipeline
 from tests.conftest import final_weights, logged_metrics
 
@@ -135,6 +136,41 @@ def test_log_probs_and_values_agree_within_float32_round_off(monkeypatch):
     for a, b in zip([*whole[0], whole[1]], [*out[0], out[1]]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert (out[0][0][~inputs[3]] == 0).all() and (out[1][~inputs[3]] == 0).all()
+
+
+def test_a_lora_actor_and_a_shared_backbone_critic_share_the_prefix(monkeypatch):
+    """The peft wrapper passes the cache through; the critic on the actor's backbone reads the
+    rows' pass, not the prefix's; the LoRA gradients and the reference (adapters disabled)
+    agree with the whole forward's."""
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
+    torch.manual_seed(5)
+    base = transformers.LlamaForCausalLM(configs()["llama"]).eval()
+    actor = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False)).eval()
+    critic = ValueModel.from_actor(actor, shared=True)
+    inputs = batch(5)
+    calls = []
+    monkeypatch.setattr(prefix, "_prefilled", lambda *a, _f=prefix._prefilled: calls.append(1)
+                        or _f(*a))
+    runs = []
+    for share in (False, True):
+        actor.zero_grad(set_to_none=True)
+        critic.zero_grad(set_to_none=True)
+        logp, _, values = logprobs_and_values(actor, critic, list(inputs), shared_prefix=share)
+        (logp.sum() + values.sum()).backward()
+        with actor.disable_adapter():
+            ref = response_logprobs(actor, *inputs, shared_prefix=share)[0]
+        grads = {k: p.grad.clone() for k, p in actor.named_parameters() if p.grad is not None}
+        runs.append((logp.detach(), values.detach(), ref, grads))
+    assert len(calls) == 2  # the shared pass: the actor with the critic's head, the reference
+    (logp0, values0, ref0, grads0), (logp1, values1, ref1, grads1) = runs
+    for a, b in ((logp0, logp1), (values0, values1), (ref0, ref1)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert grads0.keys() == grads1.keys() and any("lora_A" in k for k in grads0)
+    for k in grads0:
+        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
 def test_no_prefix_is_shared_while_blocks_recompute_in_backward(monkeypatch):
