@@ -164,7 +164,8 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
     if offload:
         reference.to("cpu")  # it visits `device` only inside Models.reference()
     autocast = {"none": None, "bfloat16": torch.bfloat16}[cfg.models.autocast]
-    # one process: FSDP2's hooks are not proven with the prefix's extra forward before backward
+    # one process: under FSDP2 a backbone called alone skips its root's unshard, and a block's
+    # KV cache is not among the outputs FSDP2 hooks to unshard the block again for backward
     shared = cfg.models.shared_prefix and cfg.distributed.nproc == 1
     return Models(actor, reference, critic, tokenizer, device if offload else None, autocast,
                   shared)
