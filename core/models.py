@@ -156,6 +156,8 @@ class ValueModel(nn.Module):
         return cls(backbone, backbone.config.hidden_size)
 
     def forward(self, input_ids, attention_mask, position_ids, use_cache: bool = False, **cache):
+        """Values at every position; ``use_cache`` and a KV cache keyword (``cache`` or
+        ``past_key_values``) go to the backbone (a shared prompt prefix: `rlpipe.core.prefix`)."""
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=use_cache, **cache)
         return self.values(out.last_hidden_state)

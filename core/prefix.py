@@ -2,7 +2,7 @@
 template's system prompt, a task instruction, the one prompt of a group of samples) run once.
 
 Attention is causal, so a prefix's keys and values depend on the prefix alone: they are the same
-in every row. `forward_inputs` runs the prefix once at batch size 1 with a KV cache, repeats the
+in every row. `run` runs the prefix once at batch size 1 with a KV cache, repeats the
 cache to the batch, and leaves each row only the rest of its prompt and its response. Same
 arithmetic as the whole forward (positions, masks and the tokens each token attends to are
 unchanged; float32 round-off aside), and in backward the prefix's gradient is the sum over the
@@ -26,8 +26,9 @@ from rlpipe.core.errors import UserError
 
 # Run the prefix apart only when its rows save at least this many tokens, (rows - 1) x length:
 # the extra call reads every weight once more (in backward it also writes and adds a whole weight
-# gradient), the cost of ~60-120 tokens' matmuls for a float32 model on a 2-core CPU (BENCHMARKS.md)
-MIN_SAVED_TOKENS = 128
+# gradient). Measured break-even for a float32 model on a 2-core CPU: ~85 saved tokens in an
+# update micro-step, ~135 in a no-grad forward (BENCHMARKS.md)
+MIN_SAVED_TOKENS = 192
 
 
 def shared_length(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
