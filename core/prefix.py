@@ -100,13 +100,15 @@ def _prefilled(prefill, prefix: torch.Tensor, batch: int, cache_arg: str):
     """The prefix's KV cache repeated to ``batch`` rows, or None for a cache other than a
     `DynamicCache` of full-attention layers (sliding windows and other caches keep their own
     rules)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers import cache_utils
 
     n = prefix.shape[1]
     out = prefill(input_ids=prefix, attention_mask=torch.ones_like(prefix),
                   position_ids=torch.arange(n, device=prefix.device)[None], use_cache=True)
     cache = getattr(out, cache_arg, None)
-    if type(cache) is not DynamicCache or any(type(x) is not DynamicLayer for x in cache.layers):
+    full = getattr(cache_utils, "DynamicLayer", None)  # transformers' per-layer caches (>= 4.56)
+    if (type(cache) is not cache_utils.DynamicCache or full is None
+            or any(type(x) is not full for x in getattr(cache, "layers", [None]))):
         return None
     cache.batch_repeat_interleave(batch)
     return cache
