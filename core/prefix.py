@@ -1,5 +1,6 @@
 """The shared prompt prefix: prompt tokens that every row of a forward begins with (a chat
-template's system prompt, a task instruction, the one prompt of a group of samples) run once.
+template's system prompt, a task instruction; the whole prompt where all rows are samples of one
+prompt) run once.
 
 Attention is causal, so a prefix's keys and values depend on the prefix alone: they are the same
 in every row. `run` runs the prefix once at batch size 1 with a KV cache, repeats the
