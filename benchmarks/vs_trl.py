@@ -119,11 +119,12 @@ def chat_rm(rm: Path) -> Path:
 
 
 def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
-    """The prompt's token ids, as rlpipe's HF collector makes them (chat: one user turn)."""
+    """The prompt's token ids, as rlpipe's HF collector makes them (chat: one user turn, the
+    template's own special tokens only)."""
     if chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                              add_generation_prompt=True, tokenize=False)
-    return tokenizer(text).input_ids
+    return tokenizer(text, add_special_tokens=not chat).input_ids
 
 
 def rlpipe_config(folder: Path, policy: Path, rm: Path, prompts: Path, args) -> Path:

@@ -63,7 +63,9 @@ def main() -> None:
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}],
                                                  add_generation_prompt=True, tokenize=False)
                    for t in prompts]
-    dataset = Dataset.from_dict({"input_ids": [tokenizer(t).input_ids for t in prompts]})
+    special = not args.chat_template  # a template writes its own special tokens
+    dataset = Dataset.from_dict({"input_ids": [tokenizer(t, add_special_tokens=special).input_ids
+                                               for t in prompts]})
 
     f32 = torch.float32
     policy = AutoModelForCausalLM.from_pretrained(args.policy, dtype=f32)
