@@ -62,8 +62,9 @@ def split(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int):
     """``(prefix [1, n], rest_ids, rest_mask)``: the first ``n`` real tokens, the same in every
     row, and the prompts without them, still left-padded (``n`` columns narrower; a shorter row's
     cleared prefix tokens become masked columns)."""
-    start = prompt_ids.shape[1] - int(prompt_mask.sum(1).max())  # first column any row uses
-    longest_row = int(prompt_mask.sum(1).argmax())
+    lengths = prompt_mask.sum(1)
+    start = prompt_ids.shape[1] - int(lengths.max())  # the first column any row uses
+    longest_row = int(lengths.argmax())
     prefix = prompt_ids[longest_row:longest_row + 1, start:start + n]
     keep = prompt_mask & (prompt_mask.long().cumsum(1) > n)  # the rest of each row's prompt
     return prefix, prompt_ids[:, start + n:], keep[:, start + n:]

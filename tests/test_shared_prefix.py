@@ -56,12 +56,14 @@ def batch(seed: int = 0):
     return ids, mask, response_ids, response_mask
 
 
-def counting(module, calls: list):
-    """``module`` called through a recorder of the prefill calls' input shapes."""
-    def prefill(**kwargs):
-        calls.append(tuple(kwargs["input_ids"].shape))
-        return module(**kwargs)
-    return prefill
+@pytest.fixture
+def prefills(monkeypatch) -> list:
+    """The shapes of the prefixes `prefix.run` ran apart, in order (whether or not their cache
+    was then used)."""
+    shapes, real = [], prefix._prefilled
+    monkeypatch.setattr(prefix, "_prefilled", lambda prefill, ids, *rest:
+                        shapes.append(tuple(ids.shape)) or real(prefill, ids, *rest))
+    return shapes
 
 
 def cache_arg(model) -> str:
@@ -89,7 +91,7 @@ def test_shared_length_counts_the_common_real_tokens():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_rows_and_gradients_equal_the_whole_forward_in_float64(arch, monkeypatch):
+def test_rows_and_gradients_equal_the_whole_forward_in_float64(arch, monkeypatch, prefills):
     monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(configs()[arch]).double().eval()
@@ -97,15 +99,15 @@ def test_rows_and_gradients_equal_the_whole_forward_in_float64(arch, monkeypatch
     hidden_size = model.config.hidden_size
     weight = torch.randn(1, R + 1, hidden_size, dtype=torch.float64,  # a loss on every entry
                          generator=torch.Generator().manual_seed(4))
-    outputs, grads, calls = [], [], []
+    outputs, grads = [], []
     for name in (None, cache_arg(model)):
         model.zero_grad(set_to_none=True)
-        hidden = prefix.run(model, counting(model, calls), *inputs, name).last_hidden_state
+        hidden = prefix.run(model, model, *inputs, name).last_hidden_state
         rows = hidden[:, -(R + 1):]  # the last prompt token and the response
         (rows * weight).sum().backward()
         outputs.append(rows.detach())
         grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
-    assert calls == [(1, SHARED)]  # the shared forward ran its prefix once, the whole one not
+    assert prefills == [(1, SHARED)]  # the shared forward ran its prefix once, the whole one not
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(model.parameters()))
     # transformers' RMSNorm computes in float32 (GPT-2's LayerNorm in float64): the gradient
@@ -116,29 +118,26 @@ def test_rows_and_gradients_equal_the_whole_forward_in_float64(arch, monkeypatch
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=tol, atol=tol * scale, msg=k)
 
 
-def test_log_probs_and_values_agree_within_float32_round_off(monkeypatch):
+def test_log_probs_and_values_agree_within_float32_round_off(monkeypatch, prefills):
     monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
     torch.manual_seed(1)
     cfg = configs()["llama"]
     actor = transformers.LlamaForCausalLM(cfg).eval()
     critic = ValueModel(transformers.LlamaModel(cfg), cfg.hidden_size)
     inputs = batch(1)
-    calls = []
-    monkeypatch.setattr(prefix, "_prefilled", lambda *a, _f=prefix._prefilled: calls.append(1)
-                        or _f(*a))
     for share in (False, True):
         out = (response_logprobs(actor, *inputs, temperature=0.7, with_entropy=True,
                                  shared_prefix=share),
                response_values(critic, *inputs, shared_prefix=share))
         if not share:
             whole = out
-    assert len(calls) == 2
+    assert len(prefills) == 2
     for a, b in zip([*whole[0], whole[1]], [*out[0], out[1]]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert (out[0][0][~inputs[3]] == 0).all() and (out[1][~inputs[3]] == 0).all()
 
 
-def test_a_lora_actor_and_a_shared_backbone_critic_share_the_prefix(monkeypatch):
+def test_a_lora_actor_and_a_shared_backbone_critic_share_the_prefix(monkeypatch, prefills):
     """The peft wrapper passes the cache through; the critic on the actor's backbone reads the
     rows' pass, not the prefix's; the LoRA gradients and the reference (adapters disabled)
     agree with the whole forward's."""
@@ -151,9 +150,6 @@ def test_a_lora_actor_and_a_shared_backbone_critic_share_the_prefix(monkeypatch)
                                             init_lora_weights=False)).eval()
     critic = ValueModel.from_actor(actor, shared=True)
     inputs = batch(5)
-    calls = []
-    monkeypatch.setattr(prefix, "_prefilled", lambda *a, _f=prefix._prefilled: calls.append(1)
-                        or _f(*a))
     runs = []
     for share in (False, True):
         actor.zero_grad(set_to_none=True)
@@ -164,7 +160,7 @@ def test_a_lora_actor_and_a_shared_backbone_critic_share_the_prefix(monkeypatch)
             ref = response_logprobs(actor, *inputs, shared_prefix=share)[0]
         grads = {k: p.grad.clone() for k, p in actor.named_parameters() if p.grad is not None}
         runs.append((logp.detach(), values.detach(), ref, grads))
-    assert len(calls) == 2  # the shared pass: the actor with the critic's head, the reference
+    assert len(prefills) == 2  # the shared pass: the actor with the critic's head, the reference
     (logp0, values0, ref0, grads0), (logp1, values1, ref1, grads1) = runs
     for a, b in ((logp0, logp1), (values0, values1), (ref0, ref1)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
@@ -173,26 +169,23 @@ def test_a_lora_actor_and_a_shared_backbone_critic_share_the_prefix(monkeypatch)
         torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-def test_no_prefix_is_shared_while_blocks_recompute_in_backward(monkeypatch):
+def test_no_prefix_is_shared_while_blocks_recompute_in_backward(monkeypatch, prefills):
     monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
     torch.manual_seed(2)
     actor = transformers.LlamaForCausalLM(configs()["llama"]).eval()
     inputs = batch(2)
     whole = response_logprobs(actor, *inputs)[0]
     enable_checkpointing(actor)
-    calls = []
-    monkeypatch.setattr(prefix, "_prefilled", lambda *a, _f=prefix._prefilled: calls.append(1)
-                        or _f(*a))
     with checkpointing(actor):  # transformers would drop the cache: the whole forward runs
         logp = response_logprobs(actor, *inputs, shared_prefix=True)[0]
         logp.sum().backward()
-    assert calls == []
+    assert prefills == []
     torch.testing.assert_close(logp.detach(), whole, rtol=1e-5, atol=1e-6)
     response_logprobs(actor, *inputs, shared_prefix=True)  # outside the update: shared again
-    assert calls == [1]
+    assert prefills == [(1, SHARED)]
 
 
-def test_sliding_window_caches_run_whole_and_an_ignored_cache_is_an_error(monkeypatch):
+def test_sliding_window_caches_run_whole_and_an_ignored_cache_is_an_error(monkeypatch, prefills):
     monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
     torch.manual_seed(3)
     cfg = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -200,10 +193,9 @@ def test_sliding_window_caches_run_whole_and_an_ignored_cache_is_an_error(monkey
                                    use_sliding_window=True, sliding_window=4, max_window_layers=0)
     model = transformers.Qwen2Model(cfg).eval()
     inputs = batch(3)
-    calls = []
     whole = prefix.run(model, model, *inputs, None).last_hidden_state
-    out = prefix.run(model, counting(model, calls), *inputs, cache_arg(model)).last_hidden_state
-    assert calls == [(1, SHARED)]  # the prefix ran, its sliding-window cache was not used
+    out = prefix.run(model, model, *inputs, cache_arg(model)).last_hidden_state
+    assert prefills == [(1, SHARED)]  # the prefix ran, its sliding-window cache was not used
     torch.testing.assert_close(out, whole, rtol=0, atol=0)
 
     llama = transformers.LlamaModel(configs()["llama"]).eval()
@@ -228,15 +220,12 @@ def instruction_run(tmp_path: Path, shared: bool) -> Path:
     return out
 
 
-def test_a_run_with_a_shared_prefix_gives_the_same_metrics_and_weights(tmp_path, monkeypatch):
-    prefilled = []
-    monkeypatch.setattr(prefix, "_prefilled", lambda *a, _f=prefix._prefilled:
-                        prefilled.append(a[1].shape) or _f(*a))
+def test_a_run_with_a_shared_prefix_gives_the_same_metrics_and_weights(tmp_path, prefills):
     runs = {s: instruction_run(tmp_path, s) for s in (False, True)}
     # scoring (16 rows: actor's old log-probs come from sampling; reference and critic) and the
     # update (8-row micro-batches, actor and critic, 2 epochs x 2 minibatches) shared their prefix
-    assert len(prefilled) >= 2 + 2 * 2 * 2, prefilled
-    assert all(shape[1] >= 20 for shape in prefilled)
+    assert len(prefills) >= 2 + 2 * 2 * 2, prefills
+    assert all(shape[1] >= 20 for shape in prefills)
     [off], [on] = logged_metrics(runs[False]), logged_metrics(runs[True])
     assert off.keys() == on.keys()
     for k, v in off.items():
