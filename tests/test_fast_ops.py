@@ -7,11 +7,14 @@
 - `trim_padding` in the forwards: a micro-batch with columns that are padding in every row
   gives the outputs and parameter gradients of the untrimmed forward (float64 models, so the
   comparison is exact up to float64 round-off).
-- `grad_norm` with ``max_grad_norm: null``: the norm `clip_grad_norm_(inf)` returns, gradients
-  untouched (bit for bit what the multiply by 1 left).
+- `grad_norm`: the float64 definition of the norm within 3e-7 (chunked dot products), gradients
+  untouched without clipping or under ``max_grad_norm``, and clipped by `clip_grad_norm_`'s
+  factor otherwise.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -171,20 +174,73 @@ def test_reference_and_value_passes_trim_too():
                                    rtol=0, atol=1e-6)
 
 
-def test_grad_norm_without_clipping_leaves_gradients_bit_identical():
-    gen = torch.Generator().manual_seed(5)
-    params = [torch.nn.Parameter(torch.randn(50, generator=gen)) for _ in range(3)]
+def _params_with_grads(seed: int, sizes, scale: float = 1.0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
     for p in params:
-        p.grad = torch.randn(50, generator=gen)
+        p.grad = (scale * torch.randn(n := p.numel(), generator=gen, dtype=torch.float64)).to(dtype)
+    return params
+
+
+def oracle_norm(grads) -> float:
+    """The plain float64 definition: sqrt of the sum of every squared entry."""
+    return math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+
+
+def test_grad_norm_matches_float64_on_a_large_gradient():
+    """An embedding-sized gradient (3 Mi entries here; SmolLM2's is 28 M): within 3e-7 of the
+    float64 norm (torch.linalg.vector_norm on CPU is off by ~1e-4 at this size), returned
+    in the gradients' float32."""
+    params = _params_with_grads(5, [3 * 2**20 + 7, 50, 1])
+    norm = grad_norm(params, None)
+    assert norm.dtype == torch.float32
+    want = oracle_norm([p.grad for p in params])
+    assert abs(float(norm) - want) <= 3e-7 * want
+
+
+def test_grad_norm_without_clipping_leaves_gradients_bit_identical():
+    params = _params_with_grads(6, [50, 50, 50])
     copies = [p.grad.clone() for p in params]
     norm = grad_norm(params, None)
     assert all(torch.equal(p.grad, c) for p, c in zip(params, copies))
-    want = torch.nn.utils.clip_grad_norm_(params, float("inf"))
-    assert torch.equal(norm, want)
-    assert all(torch.equal(p.grad, c) for p, c in zip(params, copies))  # the multiply by 1
-    torch.testing.assert_close(norm.double(), torch.cat(copies).double().norm(), rtol=1e-6, atol=0)
-    clipped = grad_norm(params, 1.0)
-    assert torch.equal(clipped, want) and torch.cat([p.grad for p in params]).norm() < 1.0 + 1e-5
+    assert abs(float(norm) - oracle_norm(copies)) <= 1e-6 * oracle_norm(copies)
+    # a norm under max_norm: nothing is multiplied (clip_grad_norm_ multiplies by 1)
+    assert torch.equal(grad_norm(params, 100.0), norm)
+    assert all(torch.equal(p.grad, c) for p, c in zip(params, copies))
+
+
+def test_grad_norm_clips_as_clip_grad_norm_does():
+    params = _params_with_grads(7, [300, 2**20 + 3], scale=0.01)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, theirs):
+        q.grad = p.grad.clone()
+    before = oracle_norm([p.grad for p in params])
+    assert before > 1.0
+    norm = grad_norm(params, 1.0)
+    want = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+    assert abs(float(norm) - before) <= 3e-7 * before
+    torch.testing.assert_close(norm, want, rtol=1e-4, atol=0)  # torch's own norm is the coarse one
+    for p, q in zip(params, theirs):  # the same factor, up to the two norms' difference
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-12)
+    assert abs(oracle_norm([p.grad for p in params]) - 1.0) < 1e-5
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_grad_norm_of_a_non_finite_gradient_is_non_finite(bad):
+    params = _params_with_grads(8, [10, 10])
+    params[1].grad[3] = bad
+    assert not torch.isfinite(grad_norm(params, None))
+    assert not torch.isfinite(grad_norm(params, 1.0))  # the step is skipped on it
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_grad_norm_of_other_dtypes(dtype):
+    """bfloat16 gradients are summed in float32 chunks, float64 ones in float64."""
+    params = _params_with_grads(9, [1000, 33], dtype=dtype)
+    norm = grad_norm(params, None)
+    assert norm.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    want = oracle_norm([p.grad for p in params])
+    assert abs(float(norm) - want) <= (1e-12 if dtype == torch.float64 else 1e-6) * want
 
 
 def test_frozen_lm_head_runs_one_matmul_not_a_batched_one():
