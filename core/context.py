@@ -25,3 +25,4 @@ class RunContext:
     max_new_tokens: int = 0             # the collector's response budget (R)
     seed: int = 0
     run_dir: Path | None = None
+    shared_prefix: bool = False         # models.shared_prefix: a collector may run shared prompt tokens once

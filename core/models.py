@@ -242,6 +242,22 @@ def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters
 
 
+def generation_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """For ``generate`` on the causal LM ``model``: the prompt tokens that rows share run once
+    (`rlpipe.core.prefix.shared_cache`, one logit row per call), as ``(ids, mask, kwargs)``:
+    the prompt with the cached columns as placeholders (``generate`` runs only the tokens past
+    its cache), its attention mask, and ``{name: cache}`` to pass on; the prompt unchanged and
+    ``{}`` where nothing is shared. Call it under the weights and mode ``generate`` runs in."""
+    name = _cache_arg(model, True)
+    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+    got = prefix.shared_cache(functools.partial(model, **keep), prompt_ids, prompt_mask, name)
+    if got is None:
+        return prompt_ids, prompt_mask, {}
+    cache, cached_mask, rest_ids, rest_mask = got
+    ids = torch.cat([rest_ids.new_zeros(cached_mask.shape), rest_ids], 1)
+    return ids, torch.cat([cached_mask, rest_mask], 1), {name: cache}
+
+
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                       temperature: float = 1.0, with_entropy: bool = False,
                       entropy_grad: bool = True, truncation=None, shared_prefix: bool = False):

@@ -92,7 +92,8 @@ class Pipeline(RunState):
             build.shard_models(self.models, cfg)
             build.seed_everything(cfg.run.seed + self.dist.rank)  # a sampling stream per rank
         self.ctx = RunContext(tokenizer=self.models.tokenizer, actor=self.models.actor,
-                              device=self.device, seed=cfg.run.seed, run_dir=self.run_dir)
+                              device=self.device, seed=cfg.run.seed, run_dir=self.run_dir,
+                              shared_prefix=self.models.shared_prefix)
         names = ", ".join([cfg.collector.name, *(r.key for r in cfg.rewards), cfg.advantage.name,
                            cfg.loss.name])
         with self.status.phase(f"building plugins ({names})") as took:

@@ -98,7 +98,7 @@ def run(forward, prefill, prompt_ids, prompt_mask, response_ids, response_mask,
     run first through ``prefill(**inputs)``: the distinct prompts where rows repeat them and
     that saves more, else the common prefix. ``forward`` then gets their KV cache with the rest
     of each row. A model whose cache is not a plain `transformers.DynamicCache` runs whole."""
-    got = _shared(prefill, prompt_ids, prompt_mask, cache_arg) if cache_arg else None
+    got = shared_cache(prefill, prompt_ids, prompt_mask, cache_arg) if cache_arg else None
     if got is None:
         ids = torch.cat([prompt_ids, response_ids], 1)
         mask = torch.cat([prompt_mask, response_mask], 1).long()
@@ -116,11 +116,12 @@ def run(forward, prefill, prompt_ids, prompt_mask, response_ids, response_mask,
     return out
 
 
-def _shared(prefill, prompt_ids, prompt_mask, cache_arg: str):
+def shared_cache(prefill, prompt_ids, prompt_mask, cache_arg: str):
     """``(cache, cached_mask, rest_ids, rest_mask)``: the KV cache of the prompt tokens run
-    apart (already selected for every row), the mask of its columns, and each row's prompt
-    tokens left to run; None when nothing saves `MIN_SAVED_TOKENS` or the cache is not a plain
-    `DynamicCache`."""
+    apart through ``prefill`` (already selected for every row), the mask of its columns, and
+    each row's prompt tokens left to run; None when nothing saves `MIN_SAVED_TOKENS` or the
+    cache is not a plain `DynamicCache`. `run` uses it, and so does generation (a prompt's
+    prefill, `rlpipe.core.models.generation_cache`)."""
     rows, lengths = len(prompt_ids), prompt_mask.sum(1)
     by_prefix = (rows - 1) * shared_length(prompt_ids, prompt_mask, min_saved=1)
     by_prompt = 0

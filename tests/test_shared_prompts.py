@@ -156,3 +156,39 @@ def test_a_run_with_repeated_prompts_gives_the_same_metrics_and_weights(tmp_path
     kinds = [kind for kind, _ in shared_runs]
     assert "prompts" in kinds and len(kinds) >= 2 + 2 * 2 * 2, kinds  # scoring and update
     assert_same_run(runs[False], runs[True])
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_hf_collector_prefills_shared_prompt_tokens_once(tiny_model, tiny_tokenizer, n,
+                                                            temperature, shared_runs):
+    """``generate`` given the shared tokens' KV cache (`generation_cache`) draws the same tokens
+    with the same log-probs and hidden states: each distinct prompt prefilled once with n > 1,
+    the common prefix alone with n = 1."""
+    from rlpipe.core.context import RunContext
+    from rlpipe.plugins.collectors.hf import HFCollector
+
+    model = tiny_model.double()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # weights large enough that every token's output depends on its prompt
+        for weight in (p for p in model.parameters() if p.ndim == 2):
+            weight.copy_(torch.randn(weight.shape, generator=gen, dtype=weight.dtype) * 0.5)
+    head = "one two three red blue " * 3
+    tails = ["one one two two three three red red", "two three blue red blue one",
+             "red blue red blue red blue one two three one"]  # n > 1: shared whole, left-padded
+    prompts = [head + tail for tail in tails]
+    batches = []
+    for share in (False, True):
+        torch.manual_seed(7)
+        ctx = RunContext(tokenizer=tiny_tokenizer, actor=model, shared_prefix=share)
+        collector = HFCollector(ctx, max_new_tokens=6, temperature=temperature, n=n,
+                                min_new_tokens=2)
+        collector.record_actor_log_prob(0.7)
+        collector.record_hidden(True)
+        batches.append(collector.collect(prompts))
+    assert [kind for kind, _ in shared_runs] == (["prompts", "prefix"] if n > 1 else ["prefix"])
+    whole, shared = batches
+    for key in ("response_ids", "response_mask", "finished"):
+        assert torch.equal(shared[key], whole[key]), key
+    for key in ("engine_log_prob", "actor_log_prob", "engine_hidden"):
+        torch.testing.assert_close(shared[key], whole[key], rtol=0, atol=1e-6, msg=key)

@@ -14,6 +14,9 @@ scored each response token, i.e. the actor's last hidden state of the state befo
 After ``record_actor_log_prob(temperature, truncation)`` it writes ``actor_log_prob``: each drawn
 token's log-prob under the trainer's scoring distribution, from the same logits, taken before
 any processor (EOS suppression, top-k, top-p) changes them; core then skips its own forward.
+With ``ctx.shared_prefix`` (``models.shared_prefix``) the prompt tokens that rows share, a prefix
+common to all or each distinct prompt of ``n`` samples, are prefilled once and ``generate`` gets
+their KV cache (`rlpipe.core.models.generation_cache`): the same logits, fewer prompt tokens run.
 
 >>> collector = HFCollector(ctx, max_new_tokens=16, n=4)       # doctest: +SKIP
 >>> batch = collector.collect(["Write a haiku."])               # doctest: +SKIP
@@ -34,7 +37,7 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
 from rlpipe.core import schema
 from rlpipe.core.distributed import unsharded
 from rlpipe.core.lora import merged_weights
-from rlpipe.core.models import unwrap
+from rlpipe.core.models import generation_cache, unwrap
 from rlpipe.plugins.collectors.base import Collector, Count, Fraction, Temperature, Tokens, TopK
 
 
@@ -55,6 +58,7 @@ class HFCollector(Collector):
                          chat_template=chat_template, stop_strings=stop_strings,
                          min_new_tokens=min_new_tokens, score_truncated=score_truncated)
         self.model, self.micro_batch_size, self.keep_hidden = ctx.actor, micro_batch_size, False
+        self.shared_prefix = ctx.shared_prefix  # prompt tokens rows share: prefilled once
         self.trainer_scoring = None  # (temperature, truncation) after record_actor_log_prob
         # The sampling warpers and the draw are ours (`_warpers`, `_Sampler`): generate runs its
         # greedy loop (do_sample=False adds no warpers) and takes the token our processor drew.
@@ -119,21 +123,27 @@ class HFCollector(Collector):
         prompt_ids, prompt_mask = prompt_ids[:, -width:], prompt_mask[:, -width:]
         sampled, hidden = _Sampler(draw=self.temperature > 0), []
         scored = [] if self.trainer_scoring is None else [_TrainerLogProb(*self.trainer_scoring)]
-        tracker = _EndTracker(width, len(prompt_ids), self.eos_ids, self.stop_strings, self.tokenizer,
-                              prompt_ids.device, [sampled, *scored])
         # no_grad, not inference_mode: under FSDP2 the gathered parameters would become
         # inference tensors that the trainer's next all-gather cannot write into. `unsharded`
         # gathers the actor once, so ranks that stop after different numbers of tokens run no
         # collective (a no-op for an unsharded model). A LoRA actor runs on merged weights.
         with torch.no_grad(), unsharded(self.model), merged_weights(self.model), \
-                _generation_mode(self.model, self.generation_config), _head_inputs(
-                    self.model, hidden if self.keep_hidden else None):
-            out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
-                                      generation_config=self.generation_config,
-                                      logits_processor=LogitsProcessorList(
-                                          [*scored, *self._min_new_tokens(width), *self._warpers(),
-                                           sampled]),
-                                      stopping_criteria=StoppingCriteriaList([tracker]))
+                _generation_mode(self.model, self.generation_config):
+            cached = {}
+            if self.shared_prefix:  # shared prompt tokens prefilled once; generate runs the rest
+                prompt_ids, prompt_mask, cached = generation_cache(self.model, prompt_ids,
+                                                                   prompt_mask)
+                width = prompt_ids.shape[1]
+            tracker = _EndTracker(width, len(prompt_ids), self.eos_ids, self.stop_strings,
+                                  self.tokenizer, prompt_ids.device, [sampled, *scored])
+            with _head_inputs(self.model, hidden if self.keep_hidden else None):
+                out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
+                                          generation_config=self.generation_config,
+                                          logits_processor=LogitsProcessorList(
+                                              [*scored, *self._min_new_tokens(width),
+                                               *self._warpers(), sampled]),
+                                          stopping_criteria=StoppingCriteriaList([tracker]),
+                                          **cached)
         new = out[:, width:]
         finished = tracker.lengths >= 0
         lengths = torch.where(finished, tracker.lengths, new.shape[1])
