@@ -45,14 +45,21 @@ def batch(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     head = torch.randint(1, 64, (SHARED,), generator=g)
     prompts = [torch.cat([head, torch.randint(1, 64, (k,), generator=g)]) for k in REST]
+    return padded_batch(prompts, g, R, {1: 3, 2: 5})
+
+
+def padded_batch(prompts: list, g: torch.Generator, r: int, short: dict[int, int]):
+    """``prompts`` left-padded into ids and mask, and random responses of ``r`` tokens, row i
+    cut to ``short[i]`` tokens (right padding)."""
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.bool)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = p, True
-    response_ids = torch.randint(1, 64, (len(prompts), R), generator=g)
-    response_mask = torch.ones(len(prompts), R, dtype=torch.bool)
-    response_mask[1, 3:] = response_mask[2, 5:] = False
+    response_ids = torch.randint(1, 64, (len(prompts), r), generator=g)
+    response_mask = torch.ones(len(prompts), r, dtype=torch.bool)
+    for i, k in short.items():
+        response_mask[i, k:] = False
     return ids, mask, response_ids, response_mask
 
 
@@ -95,19 +102,23 @@ def test_rows_and_gradients_equal_the_whole_forward_in_float64(arch, monkeypatch
     monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(configs()[arch]).double().eval()
-    inputs = batch()
-    hidden_size = model.config.hidden_size
-    weight = torch.randn(1, R + 1, hidden_size, dtype=torch.float64,  # a loss on every entry
+    assert_rows_and_gradients_equal(model, batch(), R, arch)
+    assert prefills == [(1, SHARED)]  # the shared forward ran its prefix once, the whole one not
+
+
+def assert_rows_and_gradients_equal(model, inputs, r: int, arch: str) -> None:
+    """`prefix.run` of the float64 ``model`` without and with a cache: the rows' last prompt
+    token and ``r`` response positions equal (1e-12), and so is every parameter's gradient of a
+    loss on every entry."""
+    weight = torch.randn(1, r + 1, model.config.hidden_size, dtype=torch.float64,
                          generator=torch.Generator().manual_seed(4))
     outputs, grads = [], []
     for name in (None, cache_arg(model)):
         model.zero_grad(set_to_none=True)
-        hidden = prefix.run(model, model, *inputs, name).last_hidden_state
-        rows = hidden[:, -(R + 1):]  # the last prompt token and the response
+        rows = prefix.run(model, model, *inputs, name).last_hidden_state[:, -(r + 1):]
         (rows * weight).sum().backward()
         outputs.append(rows.detach())
         grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
-    assert prefills == [(1, SHARED)]  # the shared forward ran its prefix once, the whole one not
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(model.parameters()))
     # transformers' RMSNorm computes in float32 (GPT-2's LayerNorm in float64): the gradient

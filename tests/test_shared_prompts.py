@@ -20,7 +20,8 @@ from rlpipe.core import prefix
 from rlpipe.core.config import load_config
 from rlpipe.core.models import ValueModel, logprobs_and_values, response_logprobs, response_values
 from rlpipe.core.pipeline import Pipeline
-from tests.test_shared_prefix import TINY, assert_same_run, cache_arg, configs
+from tests.test_shared_prefix import (TINY, assert_rows_and_gradients_equal, assert_same_run,
+                                      cache_arg, configs, padded_batch)
 
 R = 5
 ORDER = [2, 0, 1, 0, 2, 1, 1, 0, 2]  # each row's prompt: 3 prompts x 3 samples, interleaved
@@ -32,15 +33,7 @@ def grouped_batch(seed: int = 0, head: int = 10, tails=(4, 9, 6)):
     g = torch.Generator().manual_seed(seed)
     common = torch.randint(1, 64, (head,), generator=g)
     prompts = [torch.cat([common, torch.randint(1, 64, (k,), generator=g)]) for k in tails]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(ORDER), width, dtype=torch.long)
-    mask = torch.zeros(len(ORDER), width, dtype=torch.bool)
-    for row, p in enumerate(prompts[i] for i in ORDER):
-        ids[row, width - len(p):], mask[row, width - len(p):] = p, True
-    response_ids = torch.randint(1, 64, (len(ORDER), R), generator=g)
-    response_mask = torch.ones(len(ORDER), R, dtype=torch.bool)
-    response_mask[1, 2:] = response_mask[4, 4:] = False
-    return ids, mask, response_ids, response_mask
+    return padded_batch([prompts[i] for i in ORDER], g, R, {1: 2, 4: 4})
 
 
 @pytest.fixture
@@ -88,23 +81,8 @@ def test_rows_and_gradients_equal_the_whole_forward_in_float64(arch, head, share
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(configs()[arch]).double().eval()
     inputs = grouped_batch(1, head=head, tails=(4, 9, 6) if head else (8, 13, 10))
-    weight = torch.randn(1, R + 1, model.config.hidden_size, dtype=torch.float64,
-                         generator=torch.Generator().manual_seed(4))
-    outputs, grads = [], []
-    for name in (None, cache_arg(model)):
-        model.zero_grad(set_to_none=True)
-        hidden = prefix.run(model, model, *inputs, name).last_hidden_state
-        rows = hidden[:, -(R + 1):]  # the last prompt token and the response
-        (rows * weight).sum().backward()
-        outputs.append(rows.detach())
-        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
-    assert shared_runs[0][0] == "prompts" and len(shared_runs) == (2 if head else 1)
-    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
-    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(model.parameters()))
-    tol = 1e-10 if arch == "gpt2" else 1e-6  # RMSNorm computes in float32 (test_shared_prefix)
-    for k in grads[0]:
-        scale = float(grads[0][k].abs().max())
-        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=tol, atol=tol * scale, msg=k)
+    assert_rows_and_gradients_equal(model, inputs, R, arch)
+    assert [kind for kind, _ in shared_runs] == (["prompts", "prefix"] if head else ["prompts"])
 
 
 def test_log_probs_and_values_agree_for_lora_reference_and_critics(shared_runs):
