@@ -158,6 +158,9 @@ class Updater:
         if kl_coef:
             mb[S.KL_COEF] = torch.full((n,), kl_coef, device=self.device)
         local = mb[d.rank::d.world]
+        if t.grad_accum > 1 and S.GROUP_ID in local.keys():  # a prompt's samples in the same
+            # micro-batches share its tokens (core/prefix.py); the minibatch's sum is the same
+            local = local[local[S.GROUP_ID].argsort(stable=True)]
         losses: dict[str, float] = {}
         parts: dict[str, list[float]] = {}
         who = registry.label_of(self.loss)

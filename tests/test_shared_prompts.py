@@ -170,3 +170,25 @@ def test_the_hf_collector_prefills_shared_prompt_tokens_once(tiny_model, tiny_to
         assert torch.equal(shared[key], whole[key]), key
     for key in ("engine_log_prob", "actor_log_prob", "engine_hidden"):
         torch.testing.assert_close(shared[key], whole[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_update_micro_batches_keep_a_prompts_samples_together(tmp_path, shared_runs):
+    """With ``train.grad_accum`` > 1 each minibatch is ordered by prompt before it is split, so
+    a prompt's samples meet in one micro-batch and share its tokens; the micro-batches still
+    cover the minibatch's rows once."""
+    from rlpipe.core.update import Updater
+
+    seen, real = [], Updater._micro_step
+
+    def recording(self, micro):
+        seen.append(micro["group_id"].tolist())
+        return real(self, micro)
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path / 'run'}", "run.steps=1",
+                             "collector.n=4", "train.grad_accum=2", "train.epochs=1"])
+    pipe = Pipeline(cfg, progress=False)
+    pipe.updater._micro_step = recording.__get__(pipe.updater)
+    pipe.train()
+    assert len(seen) == 2 * 2  # 2 minibatches x 2 micro-batches
+    for first, second in zip(seen[::2], seen[1::2]):
+        assert first + second == sorted(first + second) and len(first) == len(second) == 8
+    assert "prompts" in [kind for kind, _ in shared_runs]
