@@ -137,10 +137,7 @@ def shared_cache(prefill, prompt_ids, prompt_mask, cache_arg: str):
         cache, cached_mask = got
         cache.batch_select_indices(inverse)
         return cache, cached_mask[inverse], prompt_ids[:, -1:], prompt_mask[:, -1:]
-    n = by_prefix // (rows - 1)
-    prefix, rest_ids, rest_mask = split(prompt_ids, prompt_mask, n)
-    cache = _prefilled(prefill, prefix, rows, cache_arg)
-    return None if cache is None else (cache, rest_mask.new_ones(rows, n), rest_ids, rest_mask)
+    return _prefix_cache(prefill, prompt_ids, prompt_mask, by_prefix // (rows - 1), cache_arg)
 
 
 def _prompts_cache(prefill, ids, mask, cache_arg: str):
@@ -153,15 +150,24 @@ def _prompts_cache(prefill, ids, mask, cache_arg: str):
                       position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0), use_cache=True)
         cache = _plain(getattr(out, cache_arg, None))
         return None if cache is None else (cache, mask)
-    prefix, rest_ids, rest_mask = split(ids, mask, n)
-    cache = _prefilled(prefill, prefix, len(ids), cache_arg)
-    if cache is None:
+    got = _prefix_cache(prefill, ids, mask, n, cache_arg)
+    if got is None:
         return None
-    cached_mask = torch.cat([rest_mask.new_ones(len(ids), n), rest_mask], 1)
+    cache, prefix_mask, rest_ids, rest_mask = got
+    cached_mask = torch.cat([prefix_mask, rest_mask], 1)
     prefill(input_ids=rest_ids, attention_mask=cached_mask.long(),
             position_ids=(cached_mask.long().cumsum(-1) - 1)[:, n:], use_cache=True,
             **{cache_arg: cache})
     return cache, cached_mask
+
+
+def _prefix_cache(prefill, ids, mask, n: int, cache_arg: str):
+    """``(cache, prefix_mask, rest_ids, rest_mask)`` for the first ``n`` tokens every row of
+    ``ids`` shares (`split`): their KV cache repeated to the rows, and the rows' tokens after
+    them; None (`_plain`)."""
+    prefix, rest_ids, rest_mask = split(ids, mask, n)
+    cache = _prefilled(prefill, prefix, len(ids), cache_arg)
+    return None if cache is None else (cache, rest_mask.new_ones(len(ids), n), rest_ids, rest_mask)
 
 
 def _prefilled(prefill, prefix: torch.Tensor, batch: int, cache_arg: str):

@@ -306,7 +306,7 @@ def grad_norm(params: list, max_norm: float | None) -> torch.Tensor:
         return torch.nn.utils.get_total_norm(grads)
     squares = [torch.dot(c, c) for g in grads
                for c in (g.float() if g.dtype != torch.float64 else g).reshape(-1).split(NORM_CHUNK)]
-    norm = torch.stack([x.double() for x in squares]).sum().sqrt()
+    norm = torch.stack(squares).double().sum().sqrt()  # float32 values, summed in float64
     norm = norm.to(torch.float64 if grads[0].dtype == torch.float64 else torch.float32)
     if max_norm is not None:
         coef = max_norm / (norm + 1e-6)  # clip_grad_norm_'s factor, in the norm's dtype
