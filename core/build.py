@@ -168,7 +168,7 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
     # KV cache is not among the outputs FSDP2 hooks to unshard the block again for backward
     shared = cfg.models.shared_prefix and cfg.distributed.nproc == 1
     return Models(actor, reference, critic, tokenizer, device if offload else None, autocast,
-                  shared)
+                  shared, cfg.models.packed)
 
 
 def _check_offload(cfg: Config, reference) -> bool:

@@ -98,6 +98,9 @@ class ModelsConfig:
     # prompt tokens every row of a forward begins with (a system prompt, an instruction) run
     # once, their KV cache repeated to the rows (core/prefix.py); same math, fewer tokens
     shared_prefix: bool = True
+    # rows run without their padding: one packed sequence, attention within each row
+    # (core/packing.py); same math, fewer tokens. For models with transformers' sdpa attention
+    packed: bool = True
 
 
 @dataclass

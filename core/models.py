@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rlpipe.core import prefix
+from rlpipe.core import packing, prefix
 from rlpipe.core.errors import UserError
 from rlpipe.core.model_files import check_model_dir, check_remote_code, check_weights, loading
 from rlpipe.core.ops import pad_positions, token_logprobs, trim_padding
@@ -198,6 +198,7 @@ class Models:
     offload_to: torch.device | None = None  # set: the frozen reference lives on CPU, visits this
     autocast: torch.dtype | None = None     # set: forwards run under torch.autocast (models.autocast)
     shared_prefix: bool = False             # run a shared prompt prefix once (models.shared_prefix)
+    packed: bool = False                    # rows without their padding (models.packed)
 
     def compute(self):
         """The context every forward of actor, critic and reference runs in: ``torch.autocast``
@@ -258,66 +259,102 @@ def generation_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor)
     return ids, torch.cat([cached_mask, rest_mask], 1), {name: cache}
 
 
+def _rows(model, inputs: list, cache_arg: str | None, packed: bool) -> packing.Rows | None:
+    """The packing of a trimmed batch (`rlpipe.core.packing`) when ``packed``, the model runs
+    ``sdpa`` attention, and no shared prompt tokens run apart (those come first where they
+    save `rlpipe.core.prefix.MIN_SAVED_TOKENS`); else None."""
+    if not packed or not packing.packs(unwrap(model)):
+        return None
+    if cache_arg and max(prefix.savings(inputs[0], inputs[1])) >= prefix.MIN_SAVED_TOKENS:
+        return None
+    return packing.Rows.of(inputs[1], inputs[3])
+
+
+def _layers(model) -> int | None:
+    return getattr(unwrap(model).config, "num_hidden_layers", None)
+
+
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                       temperature: float = 1.0, with_entropy: bool = False,
-                      entropy_grad: bool = True, truncation=None, shared_prefix: bool = False):
+                      entropy_grad: bool = True, truncation=None, shared_prefix: bool = False,
+                      packed: bool = False):
     """log pi(a_t|s_t) for each response token, [B, R] float32 (0 on padding), and optionally
     the per-token entropy (without a graph when ``entropy_grad`` is False: a metric only, which
     spares autograd a saved [B, R, vocab] tensor). Temperature 0 (greedy) scores with
     temperature 1. ``truncation`` (a `rlpipe.core.truncation.Truncation`): score under the
     sampler's top-k / top-p distribution, renormalised (the entropy stays the full one's).
     Columns that are padding in every row are not run (`trim_padding`); with ``shared_prefix``,
-    prompt tokens every row begins with run once (`rlpipe.core.prefix`)."""
-    width = response_ids.shape[1]
-    prompt_ids, prompt_mask, response_ids, response_mask = trim_padding(
-        prompt_ids, prompt_mask, response_ids, response_mask)
-    R, keep = response_ids.shape[1], _accepts_logits_to_keep(model)
-    logits = prefix.run(functools.partial(model, **({"logits_to_keep": R + 1} if keep else {})),
-                        functools.partial(model, **({"logits_to_keep": 1} if keep else {})),
-                        prompt_ids, prompt_mask, response_ids, response_mask,
-                        _cache_arg(model, shared_prefix)).logits
-    start, scale = logits.shape[1] - (R + 1), temperature if temperature > 0 else 1.0
+    prompt tokens every row begins with run once (`rlpipe.core.prefix`); with ``packed``, rows
+    run without their padding (`rlpipe.core.packing`)."""
+    logp, entropy, _ = _response_logprobs(model, [prompt_ids, prompt_mask, response_ids,
+                                                  response_mask], temperature, with_entropy,
+                                          entropy_grad, truncation, shared_prefix, packed)
+    return logp, entropy
+
+
+def _response_logprobs(model, inputs, temperature, with_entropy, entropy_grad, truncation,
+                       shared_prefix, packed):
+    """`response_logprobs`, and the `packing.Rows` it ran (None: the padded rows)."""
+    width = inputs[2].shape[1]
+    prompt_ids, prompt_mask, response_ids, response_mask = inputs = trim_padding(*inputs)
+    R, keep, cache_arg = response_ids.shape[1], _accepts_logits_to_keep(model), _cache_arg(
+        model, shared_prefix)
+    rows = _rows(model, inputs, cache_arg, packed)
+    if rows is not None:  # the logits of the R tokens before the response's, [B, R, vocab]
+        logits = packing.run(model, rows, prompt_ids, response_ids, _layers(model),
+                             **({"logits_to_keep": rows.index} if keep else {})).logits
+        logits, start = logits.view(rows.rows, R, -1) if keep else rows.select(logits), 0
+    else:
+        logits = prefix.run(functools.partial(model, **({"logits_to_keep": R + 1} if keep else {})),
+                            functools.partial(model, **({"logits_to_keep": 1} if keep else {})),
+                            *inputs, cache_arg).logits
+        start = logits.shape[1] - (R + 1)
+    scale = temperature if temperature > 0 else 1.0
     logp, entropy = token_logprobs(logits, response_ids, start, scale, with_entropy, entropy_grad)
     if truncation is not None:  # the kept set needs the whole [B, R, vocab] slice
         logp = truncation.log_prob(logits[:, start:start + R].float() / scale, response_ids)
     entropy = None if entropy is None else entropy * response_mask
-    return pad_positions(logp * response_mask, width), pad_positions(entropy, width)
+    return pad_positions(logp * response_mask, width), pad_positions(entropy, width), rows
 
 
 def response_values(critic: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask,
-                    shared_prefix: bool = False):
+                    shared_prefix: bool = False, packed: bool = False):
     """V(s_t) for each response token (the state before token t is produced), [B, R], 0 on
     padding. Columns that are padding in every row are not run (`trim_padding`); with
-    ``shared_prefix``, prompt tokens every row begins with run once (`rlpipe.core.prefix`)."""
+    ``shared_prefix``, prompt tokens every row begins with run once (`rlpipe.core.prefix`);
+    with ``packed``, rows run without their padding (`rlpipe.core.packing`)."""
     width = response_ids.shape[1]
-    prompt_ids, prompt_mask, response_ids, response_mask = trim_padding(
-        prompt_ids, prompt_mask, response_ids, response_mask)
-    R = response_ids.shape[1]
-    values = prefix.run(critic, critic.backbone, prompt_ids, prompt_mask, response_ids,
-                        response_mask, _cache_arg(critic, shared_prefix))
-    return pad_positions(values[:, -(R + 1):-1] * response_mask, width)
+    inputs = trim_padding(prompt_ids, prompt_mask, response_ids, response_mask)
+    R, cache_arg = inputs[2].shape[1], _cache_arg(critic, shared_prefix)
+    rows = _rows(critic.backbone, inputs, cache_arg, packed)
+    if rows is not None:
+        values = rows.select(packing.run(critic, rows, inputs[0], inputs[2],
+                                         _layers(critic.backbone)))
+    else:
+        values = prefix.run(critic, critic.backbone, *inputs, cache_arg)[:, -(R + 1):-1]
+    return pad_positions(values * inputs[3], width)
 
 
 def logprobs_and_values(actor, critic: ValueModel | None, inputs: list, temperature: float = 1.0,
                         with_entropy: bool = False, entropy_grad: bool = True, truncation=None,
-                        shared_prefix: bool = False):
+                        shared_prefix: bool = False, packed: bool = False):
     """``(log_prob, entropy, value)`` of `response_logprobs` and `response_values` (value None
     without a critic). A critic on the actor's own backbone costs no second pass: its values are
     read from the backbone output of the actor's forward (a forward hook)."""
     kwargs = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                  truncation=truncation, shared_prefix=shared_prefix)
+                  truncation=truncation, shared_prefix=shared_prefix, packed=packed)
     if critic is None or not critic.shared:
         logp, entropy = response_logprobs(actor, *inputs, **kwargs)
-        return logp, entropy, (None if critic is None else
-                               response_values(critic, *inputs, shared_prefix=shared_prefix))
+        return logp, entropy, (None if critic is None else response_values(
+            critic, *inputs, shared_prefix=shared_prefix, packed=packed))
     width, inputs = inputs[2].shape[1], trim_padding(*inputs)
     seen = []
     hook = critic.backbone.register_forward_hook(lambda module, args, out: seen.append(out))
     try:
-        logp, entropy = response_logprobs(actor, *inputs, **kwargs)
+        logp, entropy, rows = _response_logprobs(actor, inputs, **kwargs)
     finally:
         hook.remove()
-    R, response_mask = inputs[2].shape[1], inputs[3]
-    values = critic.values(seen[-1].last_hidden_state[:, -(R + 1):-1])
+    R, response_mask, hidden = inputs[2].shape[1], inputs[3], seen[-1].last_hidden_state
+    values = critic.values(hidden[:, -(R + 1):-1] if rows is None else rows.select(hidden))
     return (pad_positions(logp, width), pad_positions(entropy, width),
             pad_positions(values * response_mask, width))

@@ -182,18 +182,21 @@ class Pipeline(RunState):
                 hidden = td.pop(S.ENGINE_HIDDEN).to(m.critic.head.weight.dtype)
                 values = [m.critic.values(hidden) * td[S.RESPONSE_MASK]]
             elif m.critic is not None:
-                values = [response_values(m.critic, *c, shared_prefix=m.shared_prefix)
+                values = [response_values(m.critic, *c, shared_prefix=m.shared_prefix,
+                                          packed=m.packed)
                           for c in chunks]
         else:
             outs = [logprobs_and_values(m.actor, m.critic, c, self.temperature,
-                                        truncation=self.truncation, shared_prefix=m.shared_prefix)
+                                        truncation=self.truncation, shared_prefix=m.shared_prefix,
+                                        packed=m.packed)
                     for c in chunks]
             td[S.OLD_LOG_PROB] = torch.cat([logp for logp, _, _ in outs])
             values = [v for _, _, v in outs] if m.critic is not None else []
         td[S.VALUE] = torch.cat(values) if values else torch.zeros_like(td[S.OLD_LOG_PROB])
         with m.reference() as reference:  # one visit of an offloaded reference per step
             td[S.REF_LOG_PROB] = torch.cat([
-                response_logprobs(reference, *c, self.temperature, shared_prefix=m.shared_prefix)[0]
+                response_logprobs(reference, *c, self.temperature, shared_prefix=m.shared_prefix,
+                                  packed=m.packed)[0]
                 for c in chunks])
 
     def _engine_gap(self, batch: TensorDict) -> dict:

@@ -127,7 +127,8 @@ def sample_and_score(pipe) -> Mismatch:
     with pipe.models.compute():
         batch[S.OLD_LOG_PROB] = torch.cat([
             response_logprobs(pipe.models.actor, *c, pipe.temperature, truncation=pipe.truncation,
-                              shared_prefix=pipe.models.shared_prefix)[0]
+                              shared_prefix=pipe.models.shared_prefix,
+                              packed=pipe.models.packed)[0]
             for c in chunks])
     batch = pipe.dist.gather(batch)
     return measure(batch[S.ENGINE_LOG_PROB], batch[S.OLD_LOG_PROB], batch[S.RESPONSE_MASK])

@@ -64,7 +64,8 @@ class Updater:
         logp, entropy, values = logprobs_and_values(
             m.actor, None if split else m.critic, inputs, self.temperature,
             with_entropy=need.entropy != "none", entropy_grad=need.entropy == "grad",
-            truncation=self.truncation, shared_prefix=m.shared_prefix)
+            truncation=self.truncation, shared_prefix=m.shared_prefix,
+            packed=m.packed)
         micro[S.LOG_PROB] = logp
         if entropy is not None:
             micro[S.ENTROPY] = entropy
@@ -79,7 +80,8 @@ class Updater:
             micro[S.LOG_PROB] = logp.detach()   # same numbers: the metrics below are the joint's
             if entropy is not None:
                 micro[S.ENTROPY] = entropy.detach()
-            micro[S.VALUE_PRED] = response_values(m.critic, *inputs, shared_prefix=m.shared_prefix)
+            micro[S.VALUE_PRED] = response_values(m.critic, *inputs, shared_prefix=m.shared_prefix,
+                                                  packed=m.packed)
         out = self._loss(micro)
         losses = [v for k, v in out.items() if k.startswith("loss_")]
         self.bad_terms += [k for k, v in out.items() if k.startswith("loss_")

@@ -1,0 +1,137 @@
+"""Rows without their padding: one packed sequence per forward (``models.packed``).
+
+A forward's rows are left-padded prompts followed by right-padded responses, as wide as the
+longest row: every padding column costs each layer's matmuls, forward and backward, like a
+real token. `Rows` packs the real tokens of all rows one after the other into a single
+``[1, T]`` sequence whose position ids restart at 0 for each row (transformers' packed
+format). Every layer but attention treats tokens one by one, so it runs on the ``T`` real tokens
+alone. Attention (`attention`, in place of transformers' ``sdpa`` while a packed forward runs)
+moves each row's queries, keys and values into its own slot of a ``[B, W]`` batch, ``W`` the
+longest row, with padding after its last token; causal attention inside each slot sees exactly
+the row's earlier tokens, and the result is packed again.
+
+Same arithmetic as the padded forward (the same positions, and each token attends to the same
+tokens; float32 round-off aside), with ``B x L - T`` fewer tokens through every linear layer.
+
+>>> pm = torch.tensor([[False, True, True], [True, True, True]])
+>>> rm = torch.tensor([[True, True, False], [True, False, False]])
+>>> rows = Rows.of(pm, rm, min_saved=1)
+>>> rows.ids(torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([[6, 7, 0], [8, 0, 0]])).tolist()
+[[1, 2, 6, 7, 3, 4, 5, 8]]
+>>> rows.position_ids.tolist()
+[[0, 1, 2, 3, 0, 1, 2, 3]]
+>>> rows.index.view(2, 3).tolist()  # the token before each response token, clamped
+[[1, 2, 3], [6, 7, 7]]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlpipe.core.errors import UserError
+
+# Pack only when it drops at least this many padding tokens: the packed forward adds a gather
+# of q, k and v and a scatter of the output per layer, small against a token's matmuls
+MIN_SAVED_TOKENS = 32
+KWARG = "rlpipe_rows"  # the keyword a packed forward passes `Rows` to `attention` by
+
+
+class Rows:
+    """Where the real tokens of a padded batch go in the packed sequence and back."""
+
+    def __init__(self, keep: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,
+                 response_lengths: torch.Tensor, response_width: int):
+        B, device = len(lengths), lengths.device
+        self.keep = keep                    # [B, L] the real tokens of the padded batch
+        self.tokens = int(lengths.sum())    # T
+        self.width = int(lengths.max())     # W, the longest row
+        starts = torch.cumsum(lengths, 0) - lengths
+        column = torch.arange(self.width, device=device)
+        # attention's slots: [B * W] the packed token in each slot, T (a zero row) past the row
+        slot = starts[:, None] + column
+        self.slots = torch.where(column < lengths[:, None], slot, self.tokens).flatten()
+        # and back: [T] the slot of each packed token
+        self.back = (torch.arange(B, device=device)[:, None] * self.width + column)[
+            column < lengths[:, None]]
+        self.position_ids = (self.back % self.width)[None]
+        # [B * R] the token before each response token (the one whose output scores it: the
+        # last prompt token, then the response's own); past a row's end, its last token again
+        ahead = torch.minimum(torch.arange(response_width, device=device),
+                              response_lengths[:, None])
+        self.index = (starts + prompt_lengths - 1)[:, None].add(ahead).flatten()
+        self.rows, self.calls = B, 0
+
+    @classmethod
+    def of(cls, prompt_mask: torch.Tensor, response_mask: torch.Tensor,
+           min_saved: int | None = None) -> "Rows | None":
+        """The packing of a batch of left-padded prompts (each at least one token) and
+        right-padded responses; None when it would drop fewer than ``min_saved`` padding tokens
+        (default `MIN_SAVED_TOKENS`) or the masks are not laid out that way."""
+        p, r = prompt_mask.bool(), response_mask.bool()
+        if bool((p[:, 1:] < p[:, :-1]).any()) or bool((r[:, 1:] > r[:, :-1]).any()):
+            return None  # a hole in a row: not plain left / right padding
+        prompt_lengths, response_lengths = p.sum(1), r.sum(1)
+        if bool((prompt_lengths == 0).any()):
+            return None
+        keep = torch.cat([p, r], 1)
+        lengths = prompt_lengths + response_lengths
+        min_saved = MIN_SAVED_TOKENS if min_saved is None else min_saved
+        if keep.numel() - int(lengths.sum()) < max(min_saved, 1):
+            return None
+        return cls(keep, lengths, prompt_lengths, response_lengths, r.shape[1])
+
+    def ids(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
+        """The packed token ids, ``[1, T]``."""
+        return torch.cat([prompt_ids, response_ids], 1)[self.keep][None]
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """A packed output ``[1, T, ...]`` at the tokens before each response token (`index`):
+        ``[B, R, ...]``, as the padded output's ``[:, -(R + 1):-1]``."""
+        return x[0].index_select(0, self.index).view(self.rows, -1, *x.shape[2:])
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed ``[1, H, T, d]`` to slots ``[B, H, W, d]`` (zeros past each row's end)."""
+        x = torch.cat([x, x.new_zeros(*x.shape[:2], 1, x.shape[3])], 2)[0]
+        return x.index_select(1, self.slots).view(x.shape[0], self.rows, self.width,
+                                                  x.shape[2]).transpose(0, 1)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """Slots ``[B, W, H, d]`` (attention's output layout) to packed ``[1, T, H, d]``."""
+        return x.reshape(-1, *x.shape[2:]).index_select(0, self.back)[None]
+
+
+def attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' ``sdpa`` attention, over each row's slot where a forward passes `Rows`
+    (``rlpipe_rows``); otherwise transformers' own function, unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows = kwargs.pop(KWARG, None)
+    if rows is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    rows.calls += 1
+    kwargs.pop("is_causal", None)
+    out, weights = sdpa_attention_forward(module, rows.unpack(query), rows.unpack(key),
+                                          rows.unpack(value), None, is_causal=True, **kwargs)
+    return rows.pack(out), weights
+
+
+def run(forward, rows: Rows, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
+        layers: int | None, **kwargs):
+    """``forward(**inputs)`` over the packed rows (``kwargs`` added); raises a `UserError` when
+    the model's attention did not take them in each of its ``layers`` (None: in some)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("sdpa", attention)  # idempotent; unchanged without `Rows`
+    out = forward(input_ids=rows.ids(prompt_ids, response_ids), position_ids=rows.position_ids,
+                  attention_mask=None, use_cache=False, **{KWARG: rows}, **kwargs)
+    if rows.calls == 0 or (layers is not None and rows.calls != layers):
+        raise UserError(f"models.packed: {rows.calls} of this model's {layers} attention layers "
+                        "took the packed rows; set models.packed: false")
+    return out
+
+
+def packs(model) -> bool:
+    """Whether ``model`` (a transformers model, under wrappers) runs transformers' ``sdpa``
+    attention, which `attention` replaces for packed rows."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) == "sdpa"
