@@ -131,7 +131,13 @@ def run(forward, rows: Rows, prompt_ids: torch.Tensor, response_ids: torch.Tenso
 
 
 def packs(model) -> bool:
-    """Whether ``model`` (a transformers model, under wrappers) runs transformers' ``sdpa``
-    attention, which `attention` replaces for packed rows."""
+    """Whether ``model`` (a transformers model) runs transformers' ``sdpa`` attention, which
+    `attention` replaces for packed rows, over whole rows (a sliding window lives in the mask
+    that packed rows go without)."""
     config = getattr(model, "config", None)
-    return getattr(config, "_attn_implementation", None) == "sdpa"
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    return getattr(config, "sliding_window", None) is None
