@@ -300,19 +300,21 @@ def _response_logprobs(model, inputs, temperature, with_entropy, entropy_grad, t
     R, keep, cache_arg = response_ids.shape[1], _accepts_logits_to_keep(model), _cache_arg(
         model, shared_prefix)
     rows = _rows(model, inputs, cache_arg, packed)
-    if rows is not None:  # the logits of the R tokens before the response's, [B, R, vocab]
+    if rows is not None:  # the logits before each real response token only, [1, N, vocab]
         logits = packing.run(model, rows, prompt_ids, response_ids, _layers(model),
                              **({"logits_to_keep": rows.index} if keep else {})).logits
-        logits, start = logits.view(rows.rows, R, -1) if keep else rows.select(logits), 0
+        logits, ids, start = logits if keep else rows.select(logits), response_ids[rows.response][None], 0
     else:
         logits = prefix.run(functools.partial(model, **({"logits_to_keep": R + 1} if keep else {})),
                             functools.partial(model, **({"logits_to_keep": 1} if keep else {})),
                             *inputs, cache_arg).logits
-        start = logits.shape[1] - (R + 1)
+        ids, start = response_ids, logits.shape[1] - (R + 1)
     scale = temperature if temperature > 0 else 1.0
-    logp, entropy = token_logprobs(logits, response_ids, start, scale, with_entropy, entropy_grad)
+    logp, entropy = token_logprobs(logits, ids, start, scale, with_entropy, entropy_grad)
     if truncation is not None:  # the kept set needs the whole [B, R, vocab] slice
-        logp = truncation.log_prob(logits[:, start:start + R].float() / scale, response_ids)
+        logp = truncation.log_prob(logits[:, start:start + ids.shape[1]].float() / scale, ids)
+    if rows is not None:
+        logp, entropy = rows.scatter(logp), None if entropy is None else rows.scatter(entropy)
     entropy = None if entropy is None else entropy * response_mask
     return pad_positions(logp * response_mask, width), pad_positions(entropy, width), rows
 
@@ -328,8 +330,8 @@ def response_values(critic: ValueModel, prompt_ids, prompt_mask, response_ids, r
     R, cache_arg = inputs[2].shape[1], _cache_arg(critic, shared_prefix)
     rows = _rows(critic.backbone, inputs, cache_arg, packed)
     if rows is not None:
-        values = rows.select(packing.run(critic, rows, inputs[0], inputs[2],
-                                         _layers(critic.backbone)))
+        values = rows.scatter(rows.select(packing.run(critic, rows, inputs[0], inputs[2],
+                                                      _layers(critic.backbone))))
     else:
         values = prefix.run(critic, critic.backbone, *inputs, cache_arg)[:, -(R + 1):-1]
     return pad_positions(values * inputs[3], width)
@@ -355,6 +357,7 @@ def logprobs_and_values(actor, critic: ValueModel | None, inputs: list, temperat
     finally:
         hook.remove()
     R, response_mask, hidden = inputs[2].shape[1], inputs[3], seen[-1].last_hidden_state
-    values = critic.values(hidden[:, -(R + 1):-1] if rows is None else rows.select(hidden))
+    values = (critic.values(hidden[:, -(R + 1):-1]) if rows is None
+              else rows.scatter(critic.values(rows.select(hidden))))
     return (pad_positions(logp, width), pad_positions(entropy, width),
             pad_positions(values * response_mask, width))

@@ -20,8 +20,8 @@ tokens; float32 round-off aside), with ``B x L - T`` fewer tokens through every 
 [[1, 2, 6, 7, 3, 4, 5, 8]]
 >>> rows.position_ids.tolist()
 [[0, 1, 2, 3, 0, 1, 2, 3]]
->>> rows.index.view(2, 3).tolist()  # the token before each response token, clamped
-[[1, 2, 3], [6, 7, 7]]
+>>> rows.index.tolist()  # the token before each response token: 2 | 6, then 5 | 8
+[1, 2, 6]
 """
 
 from __future__ import annotations
@@ -54,24 +54,24 @@ class Rows:
         self.back = (torch.arange(B, device=device)[:, None] * self.width + column)[
             column < lengths[:, None]]
         self.position_ids = (self.back % self.width)[None]
-        # [B * R] the token before each response token (the one whose output scores it: the
-        # last prompt token, then the response's own); past a row's end, its last token again
-        ahead = torch.minimum(torch.arange(response_width, device=device),
-                              response_lengths[:, None])
-        self.index = (starts + prompt_lengths - 1)[:, None].add(ahead).flatten()
+        # [N] the token before each real response token, the one whose output scores it (the
+        # last prompt token, then the response's own), row by row; [B, R] where they go back
+        ahead = torch.arange(response_width, device=device)
+        self.response = ahead < response_lengths[:, None]
+        self.index = (starts + prompt_lengths - 1)[:, None].add(ahead)[self.response]
         self.rows, self.calls = B, 0
 
     @classmethod
     def of(cls, prompt_mask: torch.Tensor, response_mask: torch.Tensor,
            min_saved: int | None = None) -> "Rows | None":
         """The packing of a batch of left-padded prompts (each at least one token) and
-        right-padded responses; None when it would drop fewer than ``min_saved`` padding tokens
+        right-padded responses (one token at least among them); None when it would drop fewer than ``min_saved`` padding tokens
         (default `MIN_SAVED_TOKENS`) or the masks are not laid out that way."""
         p, r = prompt_mask.bool(), response_mask.bool()
         if bool((p[:, 1:] < p[:, :-1]).any()) or bool((r[:, 1:] > r[:, :-1]).any()):
             return None  # a hole in a row: not plain left / right padding
         prompt_lengths, response_lengths = p.sum(1), r.sum(1)
-        if bool((prompt_lengths == 0).any()):
+        if bool((prompt_lengths == 0).any()) or not bool(response_lengths.any()):
             return None
         keep = torch.cat([p, r], 1)
         lengths = prompt_lengths + response_lengths
@@ -85,9 +85,13 @@ class Rows:
         return torch.cat([prompt_ids, response_ids], 1)[self.keep][None]
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
-        """A packed output ``[1, T, ...]`` at the tokens before each response token (`index`):
-        ``[B, R, ...]``, as the padded output's ``[:, -(R + 1):-1]``."""
-        return x[0].index_select(0, self.index).view(self.rows, -1, *x.shape[2:])
+        """A packed output ``[1, T, ...]`` at the token before each response token (`index`):
+        ``[1, N, ...]``."""
+        return x[0].index_select(0, self.index)[None]
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Per response token ``[1, N]`` to the padded responses ``[B, R]``, 0 on padding."""
+        return x.new_zeros(self.response.shape).masked_scatter(self.response, x[0])
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """Packed ``[1, H, T, d]`` to slots ``[B, H, W, d]`` (zeros past each row's end)."""
@@ -109,7 +113,10 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     if rows is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows.calls += 1
-    kwargs.pop("is_causal", None)
+    causal = kwargs.pop("is_causal", None)
+    if not (getattr(module, "is_causal", True) if causal is None else causal):
+        raise UserError("models.packed: this model's attention is not causal; packed rows "
+                        "attend causally within each row; set models.packed: false")
     out, weights = sdpa_attention_forward(module, rows.unpack(query), rows.unpack(key),
                                           rows.unpack(value), None, is_causal=True, **kwargs)
     return rows.pack(out), weights
@@ -122,8 +129,10 @@ def run(forward, rows: Rows, prompt_ids: torch.Tensor, response_ids: torch.Tenso
     from transformers import AttentionInterface
 
     AttentionInterface.register("sdpa", attention)  # idempotent; unchanged without `Rows`
-    out = forward(input_ids=rows.ids(prompt_ids, response_ids), position_ids=rows.position_ids,
-                  attention_mask=None, use_cache=False, **{KWARG: rows}, **kwargs)
+    ids = rows.ids(prompt_ids, response_ids)
+    # an all-ones mask: transformers then builds no [T, T] mask (`attention` needs none)
+    out = forward(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  position_ids=rows.position_ids, use_cache=False, **{KWARG: rows}, **kwargs)
     if rows.calls == 0 or (layers is not None and rows.calls != layers):
         raise UserError(f"models.packed: {rows.calls} of this model's {layers} attention layers "
                         "took the packed rows; set models.packed: false")

@@ -51,9 +51,15 @@ def test_rows_lay_out_the_real_tokens_and_give_them_back():
     assert rows.ids(ids, response_ids)[0].tolist() == torch.cat(real).tolist()
     assert rows.position_ids[0].tolist() == [j for n in lengths for j in range(n)]
     # the token before each real response token: the last prompt token, then the response's own
-    packed = rows.ids(ids, response_ids)[0][rows.index].view(5, R)
-    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
-        assert packed[i, :r].tolist() == real[i][p - 1:p - 1 + r].tolist()
+    before = rows.ids(ids, response_ids)[0][rows.index].tolist()
+    assert before == [t for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES))
+                      for t in real[i][p - 1:p - 1 + r].tolist()]
+    # and each one back to its place in the padded responses, 0 after each response
+    expected, k = torch.zeros(5, R), 1
+    for i, r in enumerate(RESPONSES):
+        expected[i, :r] = torch.arange(k, k + r)
+        k += r
+    assert torch.equal(rows.scatter(torch.arange(1, k, dtype=torch.float)[None]), expected)
     # to slots and back: each row's tokens first in its slot, zeros after, the same tokens back
     x = torch.randn(1, 2, rows.tokens, 3)
     slots = rows.unpack(x)
@@ -228,6 +234,15 @@ def test_a_model_whose_attention_ignores_the_rows_is_an_error(monkeypatch):
             response_logprobs(llama, *ragged_batch(), packed=True)
     finally:
         AttentionInterface.register("sdpa", real)
+
+
+def test_a_model_whose_attention_is_not_causal_is_an_error(monkeypatch):
+    monkeypatch.setattr(packing, "MIN_SAVED_TOKENS", 1)
+    llama = transformers.AutoModelForCausalLM.from_config(configs()["llama"])
+    for layer in llama.model.layers:
+        layer.self_attn.is_causal = False  # as an encoder's attention declares itself
+    with pytest.raises(UserError, match="not causal.*models.packed: false"):
+        response_logprobs(llama, *ragged_batch(), packed=True)
 
 
 def test_a_run_with_packed_rows_gives_the_same_metrics_and_weights(tmp_path, packed_runs):
