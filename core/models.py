@@ -259,19 +259,26 @@ def generation_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor)
     return ids, torch.cat([cached_mask, rest_mask], 1), {name: cache}
 
 
-def _rows(model, inputs: list, cache_arg: str | None, packed: bool) -> packing.Rows | None:
-    """The packing of a trimmed batch (`rlpipe.core.packing`) when ``packed``, the model runs
-    ``sdpa`` attention, and no shared prompt tokens run apart (those come first where they
-    save `rlpipe.core.prefix.MIN_SAVED_TOKENS`); else None."""
-    if not packed or not packing.packs(unwrap(model)):
-        return None
-    if cache_arg and max(prefix.savings(inputs[0], inputs[1])) >= prefix.MIN_SAVED_TOKENS:
-        return None
-    return packing.Rows.of(inputs[1], inputs[3])
-
-
-def _layers(model) -> int | None:
-    return getattr(unwrap(model).config, "num_hidden_layers", None)
+def _forward(model, prefill, inputs: list, cache_arg: str | None, packed: bool,
+             keep: int | None):
+    """``(output, rows)``: ``model``'s forward over trimmed ``inputs``. Shared prompt tokens
+    run apart first through ``prefill`` where they save enough (with ``cache_arg``,
+    `rlpipe.core.prefix`); with ``packed`` the rows (after those tokens) then run without their
+    padding where a model on ``sdpa`` attention saves enough, ``rows`` being their
+    `packing.Rows` (None: padded). ``keep``: pass ``logits_to_keep`` (the last ``keep``
+    positions padded; the tokens before the real response tokens packed)."""
+    prompt_ids, prompt_mask, response_ids, response_mask = inputs
+    got = prefix.shared_cache(prefill, prompt_ids, prompt_mask, cache_arg) if cache_arg else None
+    base = unwrap(model.backbone if isinstance(model, ValueModel) else model)
+    if packed and packing.packs(base):
+        ids, mask = (prompt_ids, prompt_mask) if got is None else got[2:]
+        rows = packing.Rows.of(mask, response_mask, past=None if got is None else got[:2])
+        if rows is not None:
+            head = {} if keep is None else {"logits_to_keep": rows.index}
+            layers = getattr(base.config, "num_hidden_layers", None)
+            return packing.run(model, rows, ids, response_ids, layers, **head), rows
+    forward = model if keep is None else functools.partial(model, logits_to_keep=keep)
+    return prefix.finish(forward, got, *inputs, cache_arg), None
 
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
@@ -297,18 +304,15 @@ def _response_logprobs(model, inputs, temperature, with_entropy, entropy_grad, t
     """`response_logprobs`, and the `packing.Rows` it ran (None: the padded rows)."""
     width = inputs[2].shape[1]
     prompt_ids, prompt_mask, response_ids, response_mask = inputs = trim_padding(*inputs)
-    R, keep, cache_arg = response_ids.shape[1], _accepts_logits_to_keep(model), _cache_arg(
-        model, shared_prefix)
-    rows = _rows(model, inputs, cache_arg, packed)
+    R, keep = response_ids.shape[1], _accepts_logits_to_keep(model)
+    out, rows = _forward(model, functools.partial(model, **({"logits_to_keep": 1} if keep else {})),
+                         inputs, _cache_arg(model, shared_prefix), packed, R + 1 if keep else None)
     if rows is not None:  # the logits before each real response token only, [1, N, vocab]
-        logits = packing.run(model, rows, prompt_ids, response_ids, _layers(model),
-                             **({"logits_to_keep": rows.index} if keep else {})).logits
-        logits, ids, start = logits if keep else rows.select(logits), response_ids[rows.response][None], 0
+        logits = out.logits if keep else rows.select(out.logits)
+        ids, start = response_ids[rows.response][None], 0
     else:
-        logits = prefix.run(functools.partial(model, **({"logits_to_keep": R + 1} if keep else {})),
-                            functools.partial(model, **({"logits_to_keep": 1} if keep else {})),
-                            *inputs, cache_arg).logits
-        ids, start = response_ids, logits.shape[1] - (R + 1)
+        logits, ids = out.logits, response_ids
+        start = logits.shape[1] - (R + 1)
     scale = temperature if temperature > 0 else 1.0
     logp, entropy = token_logprobs(logits, ids, start, scale, with_entropy, entropy_grad)
     if truncation is not None:  # the kept set needs the whole [B, R, vocab] slice
@@ -327,13 +331,10 @@ def response_values(critic: ValueModel, prompt_ids, prompt_mask, response_ids, r
     with ``packed``, rows run without their padding (`rlpipe.core.packing`)."""
     width = response_ids.shape[1]
     inputs = trim_padding(prompt_ids, prompt_mask, response_ids, response_mask)
-    R, cache_arg = inputs[2].shape[1], _cache_arg(critic, shared_prefix)
-    rows = _rows(critic.backbone, inputs, cache_arg, packed)
-    if rows is not None:
-        values = rows.scatter(rows.select(packing.run(critic, rows, inputs[0], inputs[2],
-                                                      _layers(critic.backbone))))
-    else:
-        values = prefix.run(critic, critic.backbone, *inputs, cache_arg)[:, -(R + 1):-1]
+    R = inputs[2].shape[1]
+    values, rows = _forward(critic, critic.backbone, inputs, _cache_arg(critic, shared_prefix),
+                            packed, None)
+    values = values[:, -(R + 1):-1] if rows is None else rows.scatter(rows.select(values))
     return pad_positions(values * inputs[3], width)
 
 

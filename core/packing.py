@@ -5,10 +5,16 @@ longest row: every padding column costs each layer's matmuls, forward and backwa
 real token. `Rows` packs the real tokens of all rows one after the other into a single
 ``[1, T]`` sequence whose position ids restart at 0 for each row (transformers' packed
 format). Every layer but attention treats tokens one by one, so it runs on the ``T`` real tokens
-alone. Attention (`attention`, in place of transformers' ``sdpa`` while a packed forward runs)
-moves each row's queries, keys and values into its own slot of a ``[B, W]`` batch, ``W`` the
-longest row, with padding after its last token; causal attention inside each slot sees exactly
-the row's earlier tokens, and the result is packed again.
+alone. Attention (`attention`) moves each row's queries, keys and values into its own slot of a
+``[B, W]`` batch, ``W`` the longest row, with padding after its last token; causal attention
+inside each slot sees exactly the row's earlier tokens, and the result is packed again. The LM
+head and the value heads then read only the token before each real response token. Where prompt
+tokens that rows share ran apart first (`rlpipe.core.prefix.shared_cache`), each row's remaining
+tokens pack, and attention puts the row's cached keys and values before its slot.
+
+`attention` is registered in the process as transformers' ``sdpa`` attention function (the
+first packed forward does it); a forward that passes no `Rows` gets transformers' own function,
+unchanged.
 
 Same arithmetic as the padded forward (the same positions, and each token attends to the same
 tokens; float32 round-off aside), with ``B x L - T`` fewer tokens through every linear layer.
@@ -20,7 +26,7 @@ tokens; float32 round-off aside), with ``B x L - T`` fewer tokens through every 
 [[1, 2, 6, 7, 3, 4, 5, 8]]
 >>> rows.position_ids.tolist()
 [[0, 1, 2, 3, 0, 1, 2, 3]]
->>> rows.index.tolist()  # the token before each response token: 2 | 6, then 5 | 8
+>>> rows.index.tolist()  # tokens 2 and 6 score 6 and 7, token 5 scores 8
 [1, 2, 6]
 """
 
@@ -40,7 +46,7 @@ class Rows:
     """Where the real tokens of a padded batch go in the packed sequence and back."""
 
     def __init__(self, keep: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,
-                 response_lengths: torch.Tensor, response_width: int):
+                 response_lengths: torch.Tensor, response_width: int, past=None):
         B, device = len(lengths), lengths.device
         self.keep = keep                    # [B, L] the real tokens of the padded batch
         self.tokens = int(lengths.sum())    # T
@@ -54,6 +60,15 @@ class Rows:
         self.back = (torch.arange(B, device=device)[:, None] * self.width + column)[
             column < lengths[:, None]]
         self.position_ids = (self.back % self.width)[None]
+        # prompt tokens run apart (`rlpipe.core.prefix.shared_cache`): their KV cache, one row
+        # per row, and its mask; each row's tokens come after its cached ones
+        self.cache, self.mask = past if past is not None else (None, None)
+        if past is not None:
+            self.position_ids = self.position_ids + self.mask.sum(1)[self.back // self.width]
+            P = self.mask.shape[1]  # a query sees the row's cached keys and its own up to itself
+            own = torch.ones(self.width, self.width, dtype=torch.bool, device=device).tril()
+            self.mask = torch.cat([self.mask.bool()[:, None, None].expand(B, 1, self.width, P),
+                                   own.expand(B, 1, self.width, self.width)], -1)
         # [N] the token before each real response token, the one whose output scores it (the
         # last prompt token, then the response's own), row by row; [B, R] where they go back
         ahead = torch.arange(response_width, device=device)
@@ -63,10 +78,12 @@ class Rows:
 
     @classmethod
     def of(cls, prompt_mask: torch.Tensor, response_mask: torch.Tensor,
-           min_saved: int | None = None) -> "Rows | None":
+           min_saved: int | None = None, past=None) -> "Rows | None":
         """The packing of a batch of left-padded prompts (each at least one token) and
-        right-padded responses (one token at least among them); None when it would drop fewer than ``min_saved`` padding tokens
-        (default `MIN_SAVED_TOKENS`) or the masks are not laid out that way."""
+        right-padded responses (one token at least among them); None when it would drop fewer
+        than ``min_saved`` padding tokens (default `MIN_SAVED_TOKENS`) or the masks are not
+        laid out that way. ``past``: ``(cache, cached_mask)`` of prompt tokens that ran apart
+        (`rlpipe.core.prefix.shared_cache`), which come before each row's tokens."""
         p, r = prompt_mask.bool(), response_mask.bool()
         if bool((p[:, 1:] < p[:, :-1]).any()) or bool((r[:, 1:] > r[:, :-1]).any()):
             return None  # a hole in a row: not plain left / right padding
@@ -78,7 +95,7 @@ class Rows:
         min_saved = MIN_SAVED_TOKENS if min_saved is None else min_saved
         if keep.numel() - int(lengths.sum()) < max(min_saved, 1):
             return None
-        return cls(keep, lengths, prompt_lengths, response_lengths, r.shape[1])
+        return cls(keep, lengths, prompt_lengths, response_lengths, r.shape[1], past)
 
     def ids(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
         """The packed token ids, ``[1, T]``."""
@@ -117,8 +134,15 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     if not (getattr(module, "is_causal", True) if causal is None else causal):
         raise UserError("models.packed: this model's attention is not causal; packed rows "
                         "attend causally within each row; set models.packed: false")
-    out, weights = sdpa_attention_forward(module, rows.unpack(query), rows.unpack(key),
-                                          rows.unpack(value), None, is_causal=True, **kwargs)
+    query, key, value = rows.unpack(query), rows.unpack(key), rows.unpack(value)
+    if rows.cache is None:
+        out, weights = sdpa_attention_forward(module, query, key, value, None, is_causal=True,
+                                              **kwargs)
+    else:  # the row's cached keys and values first (their gradient flows to the prefill)
+        past = rows.cache.layers[module.layer_idx]
+        out, weights = sdpa_attention_forward(module, query, torch.cat([past.keys, key], 2),
+                                              torch.cat([past.values, value], 2), rows.mask,
+                                              is_causal=False, **kwargs)
     return rows.pack(out), weights
 
 

@@ -99,6 +99,11 @@ def run(forward, prefill, prompt_ids, prompt_mask, response_ids, response_mask,
     that saves more, else the common prefix. ``forward`` then gets their KV cache with the rest
     of each row. A model whose cache is not a plain `transformers.DynamicCache` runs whole."""
     got = shared_cache(prefill, prompt_ids, prompt_mask, cache_arg) if cache_arg else None
+    return finish(forward, got, prompt_ids, prompt_mask, response_ids, response_mask, cache_arg)
+
+
+def finish(forward, got, prompt_ids, prompt_mask, response_ids, response_mask, cache_arg):
+    """`run`'s forward, given what `shared_cache` returned (None: the whole rows)."""
     if got is None:
         ids = torch.cat([prompt_ids, response_ids], 1)
         mask = torch.cat([prompt_mask, response_mask], 1).long()

@@ -25,10 +25,17 @@ from tests.test_shared_prefix import TINY, assert_same_run, configs, padded_batc
 PROMPTS, RESPONSES, R = (3, 9, 1, 6, 4), (5, 2, 7, 0, 3), 8  # a row with no response token
 
 
-def ragged_batch(seed: int = 0):
-    """Left-padded prompts and right-padded responses of the lengths above."""
+def ragged_batch(seed: int = 0, share: str = "nothing"):
+    """Left-padded prompts and right-padded responses of the lengths above; with ``share``
+    "a prefix", the prompts begin with the same 6 tokens; with "prompts", rows 2-4 repeat the
+    prompts of rows 0, 0 and 1 (interleaved, as samples of a prompt)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, 64, (k,), generator=g) for k in PROMPTS]
+    if share == "a prefix":
+        head = torch.randint(1, 64, (6,), generator=g)
+        prompts = [torch.cat([head, p]) for p in prompts]
+    elif share == "prompts":
+        prompts = [prompts[i] for i in (0, 1, 0, 0, 1)]
     return padded_batch(prompts, g, R, dict(enumerate(RESPONSES)))
 
 
@@ -104,12 +111,13 @@ def alone(model, critic, inputs):
     return out
 
 
-def forward_and_grads(model, critic, inputs, packed: bool):
+def forward_and_grads(model, critic, inputs, packed: bool, shared_prefix: bool = False):
     """Log-probs, entropies and values, and each parameter's gradient of a loss on all three."""
     for m in (model, critic):
         m.zero_grad(set_to_none=True)
-    logp, entropy = response_logprobs(model, *inputs, with_entropy=True, packed=packed)
-    values = response_values(critic, *inputs, packed=packed)
+    logp, entropy = response_logprobs(model, *inputs, with_entropy=True, packed=packed,
+                                      shared_prefix=shared_prefix)
+    values = response_values(critic, *inputs, packed=packed, shared_prefix=shared_prefix)
     weight = torch.randn(3, *logp.shape, dtype=logp.dtype, generator=torch.Generator().manual_seed(3))
     (weight[0] * logp + weight[1] * entropy + weight[2] * values).sum().backward()
     grads = {f"{i}.{k}": p.grad.clone() for i, m in enumerate((model, critic))
@@ -117,16 +125,31 @@ def forward_and_grads(model, critic, inputs, packed: bool):
     return [logp.detach(), entropy.detach(), values.detach()], grads
 
 
+@pytest.mark.parametrize("share,shared,tokens", [
+    ("nothing", [], sum(PROMPTS) + sum(RESPONSES)),
+    # the 6-token prefix runs apart, then the rest of each prompt and its response
+    ("a prefix", [("prefix", (1, 6))], sum(PROMPTS) + sum(RESPONSES)),
+    # prompts 0 and 1 run apart but their last token, then one token and the response a row
+    ("prompts", [("prompts", (2, 9 - 1))], 5 + sum(RESPONSES))])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_packed_rows_equal_each_row_alone_and_the_padded_forward_in_float64(arch, packed_runs):
+def test_packed_rows_equal_each_row_alone_and_the_padded_forward_in_float64(
+        arch, share, shared, tokens, packed_runs, monkeypatch):
+    seen = []
+    for name in ("_prefilled", "_prompts_cache"):
+        real = getattr(prefix, name)
+        monkeypatch.setattr(prefix, name, lambda prefill, ids, *a, _r=real, _n=name: seen.append(
+            (_n.strip("_").split("_")[0].replace("prefilled", "prefix"), tuple(ids.shape)))
+            or _r(prefill, ids, *a))
+    monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(configs()[arch]).double().eval()
     critic = ValueModel.from_actor(model).double().eval()
-    inputs = ragged_batch()
-    packed, packed_grads = forward_and_grads(model, critic, inputs, packed=True)
-    assert packed_runs == [sum(PROMPTS) + sum(RESPONSES)] * 2  # actor and critic packed
+    inputs = ragged_batch(share=share)
+    packed, packed_grads = forward_and_grads(model, critic, inputs, packed=True,
+                                             shared_prefix=True)
+    assert packed_runs == [tokens] * 2 and seen == shared * 2  # actor and critic
     padded, padded_grads = forward_and_grads(model, critic, inputs, packed=False)
-    assert len(packed_runs) == 2
+    assert len(packed_runs) == 2 and len(seen) == 2 * len(shared)
     with torch.no_grad():
         oracle = alone(model, critic, inputs)
     # log-probs and entropies come out in float32 (`response_logprobs`), values in float64
@@ -212,9 +235,9 @@ def test_which_forwards_pack(packed_runs, monkeypatch):
     monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
     response_logprobs(llama, *inputs, packed=True, shared_prefix=True)  # no prompt in common
     assert packed_runs == [sum(PROMPTS) + sum(RESPONSES)]
-    grouped = [x[[0, 0, 0, 1]] for x in inputs]  # one prompt three times: its tokens shared
-    response_logprobs(llama, *grouped, packed=True, shared_prefix=True)
-    assert len(packed_runs) == 1
+    grouped = [x[[0, 0, 0, 1]] for x in inputs]  # one prompt three times: its tokens run apart
+    response_logprobs(llama, *grouped, packed=True, shared_prefix=True)  # then the rest packs
+    assert packed_runs[1] == 4 + 3 * RESPONSES[0] + RESPONSES[1]
 
 
 def test_a_model_whose_attention_ignores_the_rows_is_an_error(monkeypatch):
