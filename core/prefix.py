@@ -127,12 +127,15 @@ def shared_cache(prefill, prompt_ids, prompt_mask, cache_arg: str):
     each row's prompt tokens left to run; None when nothing saves `MIN_SAVED_TOKENS` or the
     cache is not a plain `DynamicCache`. `run` uses it, and so does generation (a prompt's
     prefill, `rlpipe.core.models.generation_cache`)."""
-    by_prefix, by_prompt = savings(prompt_ids, prompt_mask)
+    rows, lengths = len(prompt_ids), prompt_mask.sum(1)
+    by_prefix = (rows - 1) * shared_length(prompt_ids, prompt_mask, min_saved=1)
+    by_prompt = 0
+    if rows > 1 and int(lengths.min()) >= 2 and bool(prompt_mask[:, -1].all()):
+        first, inverse = distinct_prompts(prompt_ids, prompt_mask)
+        by_prompt = int((lengths - 1).sum() - (lengths[first] - 1).sum())
     if max(by_prefix, by_prompt) < MIN_SAVED_TOKENS:
         return None
-    rows = len(prompt_ids)
     if by_prompt > by_prefix:  # each distinct prompt but its last token, then one row each
-        first, inverse = distinct_prompts(prompt_ids, prompt_mask)
         got = _prompts_cache(prefill, prompt_ids[first, :-1], prompt_mask[first, :-1], cache_arg)
         if got is None:
             return None
@@ -140,22 +143,6 @@ def shared_cache(prefill, prompt_ids, prompt_mask, cache_arg: str):
         cache.batch_select_indices(inverse)
         return cache, cached_mask[inverse], prompt_ids[:, -1:], prompt_mask[:, -1:]
     return _prefix_cache(prefill, prompt_ids, prompt_mask, by_prefix // (rows - 1), cache_arg)
-
-
-def savings(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[int, int]:
-    """The prompt tokens `shared_cache` would not run for each row: ``(by the common prefix, by
-    distinct prompts)``, before the `MIN_SAVED_TOKENS` threshold.
-
-    >>> savings(torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 8]]), torch.ones(3, 3) > 0)
-    (4, 2)
-    """
-    rows, lengths = len(prompt_ids), prompt_mask.sum(1)
-    by_prefix = (rows - 1) * shared_length(prompt_ids, prompt_mask, min_saved=1)
-    by_prompt = 0
-    if rows > 1 and int(lengths.min()) >= 2 and bool(prompt_mask[:, -1].all()):
-        first, _ = distinct_prompts(prompt_ids, prompt_mask)
-        by_prompt = int((lengths - 1).sum() - (lengths[first] - 1).sum())
-    return by_prefix, by_prompt
 
 
 def _prompts_cache(prefill, ids, mask, cache_arg: str):
