@@ -10,7 +10,9 @@ alternating in one process, median phase times over each variant's steps after t
   sharing, reproduced by making every row its own prompt for
   `rlpipe.core.prefix.distinct_prompts`: a patch in this script only), and the default (each
   distinct prompt run once for its samples, its own common prefix once).
-- ``packing``: rows with their padding (`models.packed=false`) and without (the default).
+- ``packing``: rows with their padding (`models.packed=false`) and without (the default), on the
+  quickstart's PPO config, whose reward model ``python examples/quickstart/run.py`` trains
+  first (into ``runs/quickstart/reward_model``).
 
 Not a peer comparison. Prints the median step, rollout, scoring and update seconds of each
 variant, the first variant's speed over each, and the reward and reference KL per step (equal
