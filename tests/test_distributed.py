@@ -6,6 +6,7 @@
 - A sampled 2-process run with a LoRA actor, checkpointed and resumed, equals the same run
   uninterrupted; its ``final/`` adapter loads with peft.
 - Two "nodes" (two launchers joining one c10d rendezvous on 127.0.0.1) equal one 2-process node.
+- Packed rows (``models.packed``) in 2 processes give the update of 1 process with padded rows.
 - Distributed mistakes give one line and an exit status, never a hang.
 """
 
@@ -89,6 +90,39 @@ def test_one_and_two_processes_give_the_same_update(greedy_two, tmp_path):
     one = tmp_path / "one"
     run(one, *GREEDY)
     assert_same_update(one, greedy_two)
+
+
+PACK_LOG = """import os
+from rlpipe.core import packing
+_run = packing.run
+def _logged(forward, rows, *args, **kwargs):
+    with open(os.environ["RLPIPE_TEST_PACKED"], "a") as f:
+        f.write(f"{os.environ.get('RANK', '-')} {rows.tokens}\\n")
+    return _run(forward, rows, *args, **kwargs)
+packing.run = _logged
+"""
+
+
+def test_packed_rows_under_fsdp2_give_the_padded_update(tmp_path):
+    """``models.packed`` in 2 processes equals 1 process with padded rows, on prompts of 2 and
+    about 40 tokens (so every rank's forwards drop their padding); each rank's packed forwards
+    are logged from inside the run (a ``sitecustomize`` on ``PYTHONPATH``)."""
+    words = "a long and winding prompt that keeps going on about the weather in the hills"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"{words} {words} {i}\nHello {i}\n" for i in range(4)))
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(PACK_LOG)
+    log = tmp_path / "packed.log"
+    data = [f"data.prompts={prompts}", "data.shuffle=false"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(one, *GREEDY, *data, "models.packed=false")
+    env = {**ENV, "PYTHONPATH": python_path(tmp_path / "site"), "RLPIPE_TEST_PACKED": str(log)}
+    out = subprocess.run(command(two, *GREEDY, *data, "distributed.nproc=2"), env=env,
+                         capture_output=True, text=True, timeout=400, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ranks = [line.split()[0] for line in log.read_text().splitlines()]
+    assert ranks.count("0") >= 2 and ranks.count("1") >= 2, ranks  # scoring and updates packed
+    assert_same_update(one, two)
 
 
 def test_checkpointed_blocks_give_the_same_update(greedy_two, tmp_path):
