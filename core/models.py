@@ -275,8 +275,9 @@ def _forward(model, prefill, inputs: list, cache_arg: str | None, packed: bool,
         rows = packing.Rows.of(mask, response_mask, past=None if got is None else got[:2])
         if rows is not None:
             head = {} if keep is None else {"logits_to_keep": rows.index}
-            layers = getattr(base.config, "num_hidden_layers", None)
-            return packing.run(model, rows, ids, response_ids, layers, **head), rows
+            out = packing.run(model, rows, ids, response_ids, base, **head)
+            if out is not None:
+                return out, rows
     forward = model if keep is None else functools.partial(model, logits_to_keep=keep)
     return prefix.finish(forward, got, *inputs, cache_arg), None
 

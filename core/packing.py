@@ -32,14 +32,16 @@ tokens; float32 round-off aside), with ``B x L - T`` fewer tokens through every 
 
 from __future__ import annotations
 
-import torch
+import warnings
+import weakref
 
-from rlpipe.core.errors import UserError
+import torch
 
 # Pack only when it drops at least this many padding tokens: the packed forward adds a gather
 # of q, k and v and a scatter of the output per layer, small against a token's matmuls
 MIN_SAVED_TOKENS = 32
 KWARG = "rlpipe_rows"  # the keyword a packed forward passes `Rows` to `attention` by
+_PACKS = weakref.WeakKeyDictionary()  # model -> whether its forwards pack (`packs`)
 
 
 class Rows:
@@ -130,10 +132,7 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     if rows is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows.calls += 1
-    causal = kwargs.pop("is_causal", None)
-    if not (getattr(module, "is_causal", True) if causal is None else causal):
-        raise UserError("models.packed: this model's attention is not causal; packed rows "
-                        "attend causally within each row; set models.packed: false")
+    kwargs.pop("is_causal", None)  # causal: `packs` takes no model with other attention
     query, key, value = rows.unpack(query), rows.unpack(key), rows.unpack(value)
     if rows.cache is None:
         out, weights = sdpa_attention_forward(module, query, key, value, None, is_causal=True,
@@ -146,10 +145,14 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     return rows.pack(out), weights
 
 
-def run(forward, rows: Rows, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
-        layers: int | None, **kwargs):
-    """``forward(**inputs)`` over the packed rows (``kwargs`` added); raises a `UserError` when
-    the model's attention did not take them in each of its ``layers`` (None: in some)."""
+def run(forward, rows: Rows, prompt_ids: torch.Tensor, response_ids: torch.Tensor, model,
+        **kwargs):
+    """``forward(**inputs)`` over the packed rows (``kwargs`` added), ``model`` being the
+    transformers model it runs. None when the model's attention did not take the rows in each
+    of its layers (a model that passes no keyword arguments to its attention function, as
+    GPT-2 before transformers 5): the output is discarded, and from then on the model's
+    forwards run padded (`packs`), with a warning."""
+    import transformers
     from transformers import AttentionInterface
 
     AttentionInterface.register("sdpa", attention)  # idempotent; unchanged without `Rows`
@@ -157,20 +160,27 @@ def run(forward, rows: Rows, prompt_ids: torch.Tensor, response_ids: torch.Tenso
     # an all-ones mask: transformers then builds no [T, T] mask (`attention` needs none)
     out = forward(input_ids=ids, attention_mask=torch.ones_like(ids),
                   position_ids=rows.position_ids, use_cache=False, **{KWARG: rows}, **kwargs)
+    layers = getattr(model.config, "num_hidden_layers", None)
     if rows.calls == 0 or (layers is not None and rows.calls != layers):
-        raise UserError(f"models.packed: {rows.calls} of this model's {layers} attention layers "
-                        "took the packed rows; set models.packed: false")
+        _PACKS[model] = False
+        warnings.warn(f"models.packed: {rows.calls} of the {layers} attention layers of "
+                      f"{type(model).__name__} took the packed rows (transformers "
+                      f"{transformers.__version__}); its forwards run padded", RuntimeWarning)
+        return None
     return out
 
 
 def packs(model) -> bool:
-    """Whether ``model`` (a transformers model) runs transformers' ``sdpa`` attention, which
-    `attention` replaces for packed rows, over whole rows (a sliding window lives in the mask
-    that packed rows go without)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return all(t == "full_attention" for t in types)
-    return getattr(config, "sliding_window", None) is None
+    """Whether ``model``'s forwards (a transformers model) pack: it runs transformers' ``sdpa``
+    attention, which `attention` replaces for packed rows, causal and over whole rows (a
+    sliding window lives in the mask that packed rows go without), and its attention took the
+    rows before (`run`)."""
+    if model not in _PACKS:
+        config = getattr(model, "config", None)
+        types = getattr(config, "layer_types", None)
+        _PACKS[model] = (getattr(config, "_attn_implementation", None) == "sdpa"
+                         and (all(t == "full_attention" for t in types) if types is not None
+                              else getattr(config, "sliding_window", None) is None)
+                         and all(getattr(m, "is_causal", True) is not False
+                                 for m in model.modules()))
+    return _PACKS[model]

@@ -3,7 +3,7 @@ attention within each row (`rlpipe.core.packing`). Checked here: the packing's l
 log-probs, entropies, values and every parameter's gradient equal each row run alone without
 padding (an oracle that shares no code with either path) and the padded forward in float64
 (Llama, Qwen2, GPT-2), a LoRA actor and its reference, a shared-backbone critic, gradient
-checkpointing, which forwards pack, that a model whose attention ignores the rows is an error,
+checkpointing, which forwards pack, that a model whose attention ignores the rows runs padded,
 and that a run gives the metrics and weights of a run without packing."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import transformers
 
 from rlpipe.core import packing, prefix
 from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
 from rlpipe.core.models import (ValueModel, enable_checkpointing, logprobs_and_values,
                                 response_logprobs, response_values)
 from rlpipe.core.pipeline import Pipeline
@@ -148,6 +147,9 @@ def test_packed_rows_equal_each_row_alone_and_the_padded_forward_in_float64(
     packed, packed_grads = forward_and_grads(model, critic, inputs, packed=True,
                                              shared_prefix=True)
     assert packed_runs == [tokens] * 2 and seen == shared * 2  # actor and critic
+    if arch != "gpt2" or int(transformers.__version__.split(".")[0]) >= 5:
+        # packed, not fallen back to padding (GPT-2 passes its attention the rows from 5.0)
+        assert packing.packs(model) and packing.packs(critic.backbone)
     padded, padded_grads = forward_and_grads(model, critic, inputs, packed=False)
     assert len(packed_runs) == 2 and len(seen) == 2 * len(shared)
     with torch.no_grad():
@@ -240,7 +242,9 @@ def test_which_forwards_pack(packed_runs, monkeypatch):
     assert packed_runs[1] == 4 + 3 * RESPONSES[0] + RESPONSES[1]
 
 
-def test_a_model_whose_attention_ignores_the_rows_is_an_error(monkeypatch):
+def test_a_model_whose_attention_ignores_the_rows_runs_padded(monkeypatch, packed_runs):
+    """A model that passes no keyword arguments to its attention (GPT-2 before transformers 5):
+    its first packed forward is discarded with a warning, and its forwards run padded."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -250,22 +254,27 @@ def test_a_model_whose_attention_ignores_the_rows_is_an_error(monkeypatch):
 
     real = packing.attention
     monkeypatch.setattr(packing, "attention", ignores_rows)
-    monkeypatch.setattr(packing, "MIN_SAVED_TOKENS", 1)
     llama = transformers.AutoModelForCausalLM.from_config(configs()["llama"])
+    inputs = ragged_batch()
     try:
-        with pytest.raises(UserError, match="models.packed: false"):
-            response_logprobs(llama, *ragged_batch(), packed=True)
+        with pytest.warns(RuntimeWarning, match="0 of the 2 attention layers.*run padded"):
+            got = response_logprobs(llama, *inputs, packed=True)[0]
+        again = response_logprobs(llama, *inputs, packed=True)[0]
     finally:
         AttentionInterface.register("sdpa", real)
+    assert len(packed_runs) == 1 and not packing.packs(llama)  # tried once, then padded
+    want = response_logprobs(llama, *inputs)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
 
 
-def test_a_model_whose_attention_is_not_causal_is_an_error(monkeypatch):
-    monkeypatch.setattr(packing, "MIN_SAVED_TOKENS", 1)
+def test_a_model_whose_attention_is_not_causal_runs_padded(packed_runs):
     llama = transformers.AutoModelForCausalLM.from_config(configs()["llama"])
     for layer in llama.model.layers:
         layer.self_attn.is_causal = False  # as an encoder's attention declares itself
-    with pytest.raises(UserError, match="not causal.*models.packed: false"):
-        response_logprobs(llama, *ragged_batch(), packed=True)
+    assert not packing.packs(llama)
+    response_logprobs(llama, *ragged_batch(), packed=True)
+    assert packed_runs == []
 
 
 def test_a_run_with_packed_rows_gives_the_same_metrics_and_weights(tmp_path, packed_runs):
