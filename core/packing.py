@@ -63,14 +63,15 @@ class Rows:
             column < lengths[:, None]]
         self.position_ids = (self.back % self.width)[None]
         # prompt tokens run apart (`rlpipe.core.prefix.shared_cache`): their KV cache, one row
-        # per row, and its mask; each row's tokens come after its cached ones
-        self.cache, self.mask = past if past is not None else (None, None)
+        # per row; each row's tokens come after its cached ones, which `attend` lets a query see
+        self.cache, cached_mask = past if past is not None else (None, None)
+        self.attend = None  # [B, 1, W, P + W]: the row's real cached keys, its own up to itself
         if past is not None:
-            self.position_ids = self.position_ids + self.mask.sum(1)[self.back // self.width]
-            P = self.mask.shape[1]  # a query sees the row's cached keys and its own up to itself
+            self.position_ids = self.position_ids + cached_mask.sum(1)[self.back // self.width]
+            P = cached_mask.shape[1]
             own = torch.ones(self.width, self.width, dtype=torch.bool, device=device).tril()
-            self.mask = torch.cat([self.mask.bool()[:, None, None].expand(B, 1, self.width, P),
-                                   own.expand(B, 1, self.width, self.width)], -1)
+            self.attend = torch.cat([cached_mask.bool()[:, None, None].expand(B, 1, self.width, P),
+                                     own.expand(B, 1, self.width, self.width)], -1)
         # [N] the token before each real response token, the one whose output scores it (the
         # last prompt token, then the response's own), row by row; [B, R] where they go back
         ahead = torch.arange(response_width, device=device)
@@ -140,7 +141,7 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     else:  # the row's cached keys and values first (their gradient flows to the prefill)
         past = rows.cache.layers[module.layer_idx]
         out, weights = sdpa_attention_forward(module, query, torch.cat([past.keys, key], 2),
-                                              torch.cat([past.values, value], 2), rows.mask,
+                                              torch.cat([past.values, value], 2), rows.attend,
                                               is_causal=False, **kwargs)
     return rows.pack(out), weights
 

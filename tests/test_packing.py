@@ -2,7 +2,8 @@
 attention within each row (`rlpipe.core.packing`). Checked here: the packing's layout, that
 log-probs, entropies, values and every parameter's gradient equal each row run alone without
 padding (an oracle that shares no code with either path) and the padded forward in float64
-(Llama, Qwen2, GPT-2), a LoRA actor and its reference, a shared-backbone critic, gradient
+(Llama, Qwen2, GPT-2; on their own, after a common prefix and after distinct prompts that ran
+apart through `rlpipe.core.prefix`), a LoRA actor and its reference, a shared-backbone critic, gradient
 checkpointing, which forwards pack, that a model whose attention ignores the rows runs padded,
 and that a run gives the metrics and weights of a run without packing."""
 
