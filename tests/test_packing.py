@@ -3,9 +3,9 @@ attention within each row (`rlpipe.core.packing`). Checked here: the packing's l
 log-probs, entropies, values and every parameter's gradient equal each row run alone without
 padding (an oracle that shares no code with either path) and the padded forward in float64
 (Llama, Qwen2, GPT-2; on their own, after a common prefix and after distinct prompts that ran
-apart through `rlpipe.core.prefix`), a LoRA actor and its reference, a shared-backbone critic, gradient
-checkpointing, which forwards pack, that a model whose attention ignores the rows runs padded,
-and that a run gives the metrics and weights of a run without packing."""
+apart through `rlpipe.core.prefix`), a LoRA actor and its reference, a shared-backbone critic,
+gradient checkpointing, which forwards pack, that a model whose attention ignores the rows runs
+padded, and that a run gives the metrics and weights of a run without packing."""
 
 from __future__ import annotations
 
@@ -118,7 +118,8 @@ def forward_and_grads(model, critic, inputs, packed: bool, shared_prefix: bool =
     logp, entropy = response_logprobs(model, *inputs, with_entropy=True, packed=packed,
                                       shared_prefix=shared_prefix)
     values = response_values(critic, *inputs, packed=packed, shared_prefix=shared_prefix)
-    weight = torch.randn(3, *logp.shape, dtype=logp.dtype, generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(3, *logp.shape, dtype=logp.dtype, generator=g)
     (weight[0] * logp + weight[1] * entropy + weight[2] * values).sum().backward()
     grads = {f"{i}.{k}": p.grad.clone() for i, m in enumerate((model, critic))
              for k, p in m.named_parameters() if p.grad is not None}
