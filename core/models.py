@@ -228,7 +228,7 @@ class Models:
 
 
 def _cache_arg(model: nn.Module, shared_prefix: bool) -> str | None:
-    """The name ``model``'s forward takes a KV cache by, for `rlpipe.core.prefix.run`; None
+    """The name ``model``'s forward takes a KV cache by, for `rlpipe.core.prefix`; None
     without ``shared_prefix`` or while its blocks recompute in backward (`checkpointing`:
     transformers then drops a cache)."""
     if not shared_prefix or any(getattr(m, "gradient_checkpointing", False) is True and m.training

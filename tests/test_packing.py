@@ -21,6 +21,7 @@ from rlpipe.core.models import (ValueModel, enable_checkpointing, logprobs_and_v
                                 response_logprobs, response_values)
 from rlpipe.core.pipeline import Pipeline
 from tests.test_shared_prefix import TINY, assert_same_run, configs, padded_batch
+from tests.test_shared_prompts import shared_runs  # noqa: F401 (a fixture)
 
 PROMPTS, RESPONSES, R = (3, 9, 1, 6, 4), (5, 2, 7, 0, 3), 8  # a row with no response token
 
@@ -134,26 +135,19 @@ def forward_and_grads(model, critic, inputs, packed: bool, shared_prefix: bool =
     ("prompts", [("prompts", (2, 9 - 1))], 5 + sum(RESPONSES))])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_packed_rows_equal_each_row_alone_and_the_padded_forward_in_float64(
-        arch, share, shared, tokens, packed_runs, monkeypatch):
-    seen = []
-    for name in ("_prefilled", "_prompts_cache"):
-        real = getattr(prefix, name)
-        monkeypatch.setattr(prefix, name, lambda prefill, ids, *a, _r=real, _n=name: seen.append(
-            (_n.strip("_").split("_")[0].replace("prefilled", "prefix"), tuple(ids.shape)))
-            or _r(prefill, ids, *a))
-    monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 1)
+        arch, share, shared, tokens, packed_runs, shared_runs):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(configs()[arch]).double().eval()
     critic = ValueModel.from_actor(model).double().eval()
     inputs = ragged_batch(share=share)
     packed, packed_grads = forward_and_grads(model, critic, inputs, packed=True,
                                              shared_prefix=True)
-    assert packed_runs == [tokens] * 2 and seen == shared * 2  # actor and critic
+    assert packed_runs == [tokens] * 2 and shared_runs == shared * 2  # actor and critic
     if arch != "gpt2" or int(transformers.__version__.split(".")[0]) >= 5:
         # packed, not fallen back to padding (GPT-2 passes its attention the rows from 5.0)
         assert packing.packs(model) and packing.packs(critic.backbone)
     padded, padded_grads = forward_and_grads(model, critic, inputs, packed=False)
-    assert len(packed_runs) == 2 and len(seen) == 2 * len(shared)
+    assert len(packed_runs) == 2 and len(shared_runs) == 2 * len(shared)
     with torch.no_grad():
         oracle = alone(model, critic, inputs)
     # log-probs and entropies come out in float32 (`response_logprobs`), values in float64
