@@ -13,6 +13,12 @@ importlib_metadata, datasets 5.2.0, dill, multiprocess, fsspec, and transformers
     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     pip install -q --no-deps --no-build-isolation -e . && python benchmarks/gpu/run.py
 
+The CUDA test suite is a separate command; ``-vv`` (the ``-q`` in ``addopts`` cancels one ``-v``)
+names each test as it ends, so a run cut by the session's limit still says which failed (the
+suite took more than 270 s with 15 workers on the H200, 2026-11-26):
+
+    RLPIPE_TEST_DEVICE=cuda python3 -m pytest -n 15 --timeout 100 -p no:benchmark -vv --tb=line
+
 Parts (each in a fresh process, so no allocator state carries over):
 
 1. ``phases``: one PPO step of a Qwen2.5-0.5B-architecture actor with its critic (full copies, a
