@@ -24,6 +24,11 @@ A collector (group ``rlpipe.collectors``) is a class with ``collect(prompts) -> 
   computes, up to float round-off, so core (`request_actor_log_prob`, under
   ``rollout_correction.old_log_prob``) takes it as ``old_log_prob`` instead of running that
   forward. Default None: not offered.
+- ``sampling_view(temperature, n)``: a collector that samples at ``temperature``, ``n`` per
+  prompt, from this one's engine and weights, without changing this one's settings or the random
+  stream of its rollouts, and whose ``close()`` leaves the engine running. Evaluation uses it
+  (`sampling_view`) so that an engine that holds GPU memory (``vllm``) is not started twice.
+  Default None: evaluation builds a second collector from the config.
 
 `rlpipe.plugins.collectors.base.Collector` declares the attributes; a collector that does not
 subclass it gets the defaults listed in `rlpipe.core.registry.DECLARED`. A value of the wrong kind,
@@ -99,6 +104,12 @@ def request_actor_log_prob(collector, temperature: float, truncation: Truncation
         return False
     registry.call(record, temperature, truncation)
     return True
+
+
+def sampling_view(collector, temperature: float, n: int):
+    """The collector's ``sampling_view(temperature, n)``, or None where it declares none."""
+    view = _attribute(collector, "sampling_view")
+    return None if view is None else registry.call(view, temperature, n)
 
 
 def request_hidden(collector) -> bool:

@@ -6,11 +6,13 @@ clipped by ``reward.clip``, never normalised), ``eval/reward/<label>`` (each par
 ``eval/response/length`` and ``time/eval_s``. Each evaluation's samples go to
 ``RUN_DIR/samples/eval-step-N.jsonl`` (prompt, response, score, parts, data columns, in row order).
 
-Evaluation never touches the training state: it samples with its own collector instance (the
-training collector's arguments with ``temperature: eval.temperature`` and ``n: 1``), under a forked
-torch RNG (seeded ``run.seed + step``) and a restored Python RNG, and the reward statistics of
-``reward.normalize`` do not see it. A run with evaluation logs the same training metrics as one
-without.
+Evaluation never touches the training state: it samples at ``temperature: eval.temperature``,
+one answer per prompt, from the training collector's ``sampling_view`` where the collector offers
+one (``vllm``: the same engine, no second one), else from its own collector instance (the
+training collector's arguments with those two changed), under a forked torch RNG (seeded
+``run.seed + step``) and a restored Python RNG, and the reward statistics of ``reward.normalize``
+do not see it. A run with evaluation logs the same training metrics as one
+without (with ``hf``; a ``vllm`` engine's draws depend on its history, so its runs do not repeat).
 
 >>> Evaluator.due(every=0, step=3, last=10), Evaluator.due(every=5, step=5, last=12)
 (False, True)
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 from rlpipe.core import guards, registry, schema as S
+from rlpipe.core.collectors import sampling_view
 from rlpipe.core.config_checks import resolve_plugin
 from rlpipe.core.errors import UserError
 from rlpipe.core.prompts import PromptData
@@ -38,9 +41,13 @@ from rlpipe.core.rewards import batch_texts
 SAMPLES_DIR = "samples"
 
 
-def eval_collector(cfg, ctx):
-    """The training collector's plugin and arguments, with ``temperature: eval.temperature`` and
-    ``n: 1``: a second instance, so the training collector's state is never touched."""
+def eval_collector(cfg, ctx, training=None):
+    """The training collector's ``sampling_view(eval.temperature, 1)`` where it offers one; else
+    its plugin and arguments with ``temperature: eval.temperature`` and ``n: 1``, a second
+    instance, so the training collector's state is never touched."""
+    view = None if training is None else sampling_view(training, cfg.eval.temperature, 1)
+    if view is not None:
+        return view
     plugin = resolve_plugin(cfg.collector, "collectors")
     params = registry.init_params(plugin.obj)
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())

@@ -130,9 +130,9 @@ class Pipeline(RunState):
         if self.eval_data is not None:
             self.eval_data.use_tokenizer(self.models.tokenizer)
             check_reward_columns(self.plugins.rewards, self.eval_data, "eval.prompts")
-            self.evaluator = Evaluator(cfg, self.eval_data, eval_collector(cfg, self.ctx),
-                                       self.plugins.rewards, self.dist, self.device, self.run_dir,
-                                       self.models.compute)
+            sampler = eval_collector(cfg, self.ctx, self.plugins.collector)
+            self.evaluator = Evaluator(cfg, self.eval_data, sampler, self.plugins.rewards,
+                                       self.dist, self.device, self.run_dir, self.models.compute)
         self.kl_ctl = (kl.AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
                        if cfg.kl.target is not None else kl.FixedKLController(cfg.kl.coef))
         self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device,

@@ -236,7 +236,7 @@ DECLARED = {
     # read through rlpipe.core.collectors, which also checks the values
     "collectors": {"temperature": 1.0, "max_new_tokens": 0, "close": None,
                    "score_truncated": False, "top_k": 0, "top_p": 1.0, "record_hidden": None,
-                   "record_actor_log_prob": None},
+                   "record_actor_log_prob": None, "sampling_view": None},
     # read through rlpipe.core.loss.contract_of: None means LossContract()'s defaults
     "losses": {"contract": None, "set_kl_estimator": None},
     # dataset columns a reward reads (checked against the data before the first step)

@@ -8,7 +8,7 @@ import pytest
 from rlpipe.core import registry
 from rlpipe.core.collectors import (close_collector, collector_max_new_tokens,
                                     collector_temperature, collector_truncation, request_actor_log_prob,
-                                    request_hidden)
+                                    request_hidden, sampling_view)
 from rlpipe.core.errors import UserError
 from rlpipe.plugins.collectors.hf import HFCollector
 
@@ -39,12 +39,14 @@ def test_a_bare_collector_gets_the_documented_defaults():
 
     assert DECLARED["collectors"] == {"temperature": 1.0, "max_new_tokens": 0, "close": None,
                                       "score_truncated": False, "top_k": 0, "top_p": 1.0,
-                                      "record_hidden": None, "record_actor_log_prob": None}
+                                      "record_hidden": None, "record_actor_log_prob": None,
+                                      "sampling_view": None}
     bare = Bare()
     assert collector_temperature(bare) == 1.0 and collector_max_new_tokens(bare) == 0
     assert collector_truncation(bare) is None
     assert request_hidden(bare) is False   # no record_hidden(): no engine_hidden asked for
     assert request_actor_log_prob(bare, 1.0, None) is False   # nor actor_log_prob
+    assert sampling_view(bare, 0.0, 1) is None   # evaluation builds its own collector
     close_collector(bare)  # no close(): nothing to do
 
 

@@ -90,3 +90,36 @@ def test_resume_keeps_the_step_zero_row(tmp_path):
 def test_due_steps():
     assert [s for s in range(8) if Evaluator.due(0, s, 7)] == [0, 7]
     assert [s for s in range(8) if Evaluator.due(3, s, 7)] == [0, 3, 6, 7]
+
+
+class _Engine:
+    """A collector stand-in with an engine of its own (what `vllm` is to evaluation)."""
+
+    temperature, n = 1.0, 4
+
+    def __init__(self, fail: bool = False):
+        self.views, self.fail = [], fail
+
+    def collect(self, prompts): ...
+
+    def sync_weights(self, model): ...
+
+    def sampling_view(self, temperature, n):
+        if self.fail:
+            raise RuntimeError("engine gone")
+        self.views.append((temperature, n))
+        return ("view", temperature, n)
+
+
+def test_evaluation_samples_from_a_declared_sampling_view(tmp_path):
+    """A collector that offers `sampling_view` is asked for one at eval.temperature and n 1;
+    no second collector is built from the config. One that fails to give it is one line."""
+    from rlpipe.core.evaluation import eval_collector
+    from rlpipe.core.registry import PluginError
+
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "eval.temperature=0.3"])
+    training = _Engine()
+    assert eval_collector(cfg, None, training) == ("view", 0.3, 1)
+    assert training.views == [(0.3, 1)]
+    with pytest.raises(PluginError, match="sampling_view.*engine gone"):
+        eval_collector(cfg, None, _Engine(fail=True))

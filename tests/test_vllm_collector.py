@@ -419,6 +419,54 @@ def test_preflight_fails_on_a_stale_engine_and_passes_once_synced(tmp_path, toke
         pipe.plugins.collector.close()
 
 
+def test_a_sampling_view_shares_the_engine_and_its_weights(collector, tokenizer, base_model):
+    """What evaluation samples from: the same engine and weights at the view's own temperature
+    and n; the training collector's settings unchanged; per-request seeds from torch's RNG, so a
+    seed repeats the view's samples; its close() leaves the engine running."""
+    view = collector.sampling_view(1.0, 1)
+    assert view.llm is collector.llm and (view.temperature, view.n) == (1.0, 1)
+    assert collector.temperature == 0.0 and collector.sampling_params.seed is None
+    torch.manual_seed(3)
+    first = view.collect(PROMPTS)
+    torch.manual_seed(3)
+    again = view.collect(PROMPTS)
+    torch.manual_seed(4)
+    other = view.collect(PROMPTS)
+    assert rows(first) == rows(again) and rows(first) != rows(other)
+    assert logprob_gap(base_model, first, 1.0).max() < 1e-4  # sampled at the view's temperature
+    actor = copy.deepcopy(base_model)
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    version = collector.weight_version
+    view.sync_weights(actor)            # one engine: the collector now samples from `actor`
+    assert collector.weight_version == view.weight_version == version + 1
+    assert logprob_gap(actor, collector.collect(PROMPTS), 0.0).max() < 1e-4
+    view.close()
+    assert collector.llm is not None and len(collector.collect(PROMPTS)) == len(PROMPTS)
+
+
+def test_evaluation_samples_from_the_training_engine(tmp_path, tokenizer, monkeypatch):
+    """A run that evaluates every step (sampled, temperature 1) starts one engine, not two."""
+    need_vllm()
+    starts = []
+    start = VLLMCollector._start
+    monkeypatch.setattr(VLLMCollector, "_start",
+                        lambda self, *a, **k: starts.append(1) or start(self, *a, **k))
+    model_dir, prompts = write_assets(tmp_path, tokenizer)
+    run_dir = train(load_config(TINY_CONFIG, [
+        f"models.actor.path={model_dir}", "models.actor.init=pretrained", "run.steps=2",
+        f"data.prompts={prompts}", "data.batch_size=4", "collector.name=vllm",
+        "collector.max_new_tokens=8", "collector.kv_cache_gb=0.25", f"eval.prompts={prompts}",
+        "eval.every=1", "eval.temperature=1.0", f"run.output_dir={tmp_path / 'run'}"]),
+        progress=False)
+    assert len(starts) == 1, "evaluation started an engine of its own"
+    logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "eval/score" in r] == [0, 1, 2]
+    samples = (run_dir / "samples" / "eval-step-2.jsonl").read_text().splitlines()
+    assert len(samples) == len(PROMPTS)          # one answer per prompt (n: 1)
+
+
 def test_two_processes_each_with_its_engine_follow_the_sharded_actor(tmp_path, tokenizer, harness):
     """``distributed.nproc=2`` through the CLI: each rank starts its own engine, generates its
     share of the prompts, and after the FSDP2 update gathers the actor's shards into its engine;

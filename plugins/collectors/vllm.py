@@ -15,16 +15,21 @@ Log-probs follow rlpipe's convention (logits / temperature; greedy scores at tem
 through vLLM's ``logprobs_mode="processed_logprobs"``. With ``top_p < 1`` or ``top_k > 0`` the
 engine renormalises over the kept tokens; the trainer does too with ``score_truncated=True``
 (`rlpipe.core.truncation`), else the gap is not 0 there.
+
+Evaluation samples from the same engine through `VLLMCollector.sampling_view` (its temperature,
+one sample per prompt, a seed per request), not from a second engine.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
 import tempfile
 import typing
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -80,7 +85,10 @@ class VLLMCollector(Collector):
             import vllm
         except ImportError as exc:
             raise UserError(f"vllm collector: vLLM is not installed: {INSTALL_HINT}") from exc
-        self.enable_sleep_mode, self.weight_version, self._asleep = enable_sleep_mode, 0, False
+        self.enable_sleep_mode = enable_sleep_mode
+        # The engine's state, one object shared with every `sampling_view` of this collector.
+        self.engine = _Engine()
+        self.owns_engine = True   # False in a `sampling_view`
         if enable_sleep_mode and not vllm.platforms.current_platform.is_sleep_mode_available():
             raise UserError("vllm collector: enable_sleep_mode needs a GPU platform "
                             "(CUDA/ROCm/XPU); set enable_sleep_mode: false")
@@ -94,13 +102,31 @@ class VLLMCollector(Collector):
         self.prompt_budget = min(max_prompt_tokens, context - max_new_tokens)
         self.sampling_params = self._sampling_params()
 
-    def _sampling_params(self):
+    @property
+    def weight_version(self) -> int:
+        """How many times `sync_weights` has loaded weights into the engine."""
+        return self.engine.version
+
+    def sampling_view(self, temperature: float, n: int) -> VLLMCollector:
+        """This collector sampling at ``temperature``, ``n`` per prompt, from the same engine
+        (evaluation asks for it: a second engine would need GPU memory the first one holds).
+        Each of its requests carries its own seed, drawn from torch's RNG (seeded by the
+        evaluation), so the same seed gives the same samples. It does not leave the training
+        rollouts' draws as they were: vLLM's CPU sampler draws from the engine's stream for
+        seeded requests too, and a draw depends on the engine's history (a prefix-cache reset
+        changes the next one). Its `close` leaves the engine running; the owner's stops it."""
+        view = copy.copy(self)
+        view.temperature, view.n, view.owns_engine = temperature, n, False
+        view.sampling_params = view._sampling_params()
+        return view
+
+    def _sampling_params(self, seed: int | None = None):
         """vLLM `SamplingParams` from the collector's settings; ``logprobs=0``: the sampled
-        token's log-prob only."""
+        token's log-prob only; ``seed``: the request's own random stream (None: the engine's)."""
         from vllm import SamplingParams
 
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            n=self.n, seed=seed, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens, logprobs=0,
             ignore_eos=False,
             stop_token_ids=self.eos_ids, stop=list(self.stop_strings) or None,
@@ -131,11 +157,15 @@ class VLLMCollector(Collector):
         from vllm.inputs import TokensPrompt
 
         self._wake()
+        params = self.sampling_params
+        if not self.owns_engine:   # a view: each request its own seed, from torch's RNG
+            params = [self._sampling_params(seed)
+                      for seed in torch.randint(2**31 - 1, (len(rows),)).tolist()]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=row) for row in rows],
-                                    self.sampling_params, use_tqdm=False)
+                                    params, use_tqdm=False)
         if self.enable_sleep_mode:          # free the GPU for the PPO update
             self.llm.sleep(level=1)
-            self._asleep = True
+            self.engine.asleep = True
         samples = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         for c in samples:
             if c.finish_reason not in ("stop", "length"):
@@ -164,25 +194,35 @@ class VLLMCollector(Collector):
             path = os.path.join(folder, "weights.safetensors")
             save_file(weights, path)
             del weights
-            if self._asleep:                     # weights first, the KV cache after the load
+            if self.engine.asleep:               # weights first, the KV cache after the load
                 self.llm.wake_up(tags=["weights"])
             self.llm.collective_rpc("rlpipe_load_weights", args=(path,))
-        if self._asleep:
+        if self.engine.asleep:
             self.llm.wake_up(tags=["kv_cache"])
-            self._asleep = False
+            self.engine.asleep = False
         self.llm.reset_prefix_cache()
-        self.weight_version += 1
+        self.engine.version += 1
 
     def close(self) -> None:
-        """Shut the engine down (it also stops when the collector is garbage-collected)."""
+        """Shut the engine down (it also stops when the collector is garbage-collected); a
+        `sampling_view` leaves it running."""
         llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
+        if llm is not None and self.owns_engine:
             llm.llm_engine.engine_core.shutdown()
 
     def _wake(self) -> None:
-        if self._asleep:
+        if self.engine.asleep:
             self.llm.wake_up()
-            self._asleep = False
+            self.engine.asleep = False
+
+
+@dataclass
+class _Engine:
+    """What a collector and its views share about their engine: asleep (sleep mode), and how
+    many weight loads it has had."""
+
+    asleep: bool = False
+    version: int = 0
 
 
 class WorkerExtension:
