@@ -42,12 +42,13 @@ SAMPLES_DIR = "samples"
 
 
 def eval_collector(cfg, ctx, training=None):
-    """The training collector's ``sampling_view(eval.temperature, 1)`` where it offers one; else
-    its plugin and arguments with ``temperature: eval.temperature`` and ``n: 1``, a second
-    instance, so the training collector's state is never touched."""
+    """``(collector, own_engine)``: the training collector's ``sampling_view(eval.temperature,
+    1)`` where it offers one (``own_engine`` False: the pipeline keeps that engine's weights
+    current); else its plugin and arguments with ``temperature: eval.temperature`` and ``n: 1``,
+    a second instance, so the training collector's state is never touched."""
     view = None if training is None else sampling_view(training, cfg.eval.temperature, 1)
     if view is not None:
-        return view
+        return view, False
     plugin = resolve_plugin(cfg.collector, "collectors")
     params = registry.init_params(plugin.obj)
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -56,7 +57,7 @@ def eval_collector(cfg, ctx, training=None):
         raise UserError(f"eval: collector {plugin.spec.label} takes no {' or '.join(missing)} "
                         f"argument, which evaluation sets; remove the eval section")
     args = {**cfg.collector.args, "temperature": cfg.eval.temperature, "n": 1}
-    return registry.instantiate(plugin.obj, args, ctx, f"eval collector ({plugin.spec.label})")
+    return registry.instantiate(plugin.obj, args, ctx, f"eval collector ({plugin.spec.label})"), True
 
 
 def _chunks(rows: list[int], count: int) -> list[list[int]]:
@@ -74,8 +75,9 @@ class Evaluator:
     """Runs the evaluation of one run: `run` at the steps `due` names."""
 
     def __init__(self, cfg, data: PromptData, collector, rewards, dist, device, run_dir: Path,
-                 compute=contextlib.nullcontext):
+                 compute=contextlib.nullcontext, own_engine: bool = True):
         self.cfg, self.data, self.collector, self.rewards = cfg.eval, data, collector, rewards
+        self.own_engine = own_engine  # False: a sampling view, whose weights the pipeline syncs
         self.compute = compute  # the context the actor's forwards run in (`Models.compute`)
         self.dist, self.device, self.seed = dist, device, cfg.run.seed
         self.samples_dir = Path(run_dir) / SAMPLES_DIR
@@ -102,7 +104,8 @@ class Evaluator:
         try:
             with torch.random.fork_rng(devices=devices), self.compute():
                 torch.manual_seed(self.seed + step)
-                registry.call(self.collector.sync_weights, actor)
+                if self.own_engine:
+                    registry.call(self.collector.sync_weights, actor)
                 local = [s for rows in self.parts for s in self._samples(rows)]
         finally:
             random.setstate(python_rng)

@@ -130,9 +130,10 @@ class Pipeline(RunState):
         if self.eval_data is not None:
             self.eval_data.use_tokenizer(self.models.tokenizer)
             check_reward_columns(self.plugins.rewards, self.eval_data, "eval.prompts")
-            sampler = eval_collector(cfg, self.ctx, self.plugins.collector)
+            sampler, own_engine = eval_collector(cfg, self.ctx, self.plugins.collector)
             self.evaluator = Evaluator(cfg, self.eval_data, sampler, self.plugins.rewards,
-                                       self.dist, self.device, self.run_dir, self.models.compute)
+                                       self.dist, self.device, self.run_dir, self.models.compute,
+                                       own_engine)
         self.kl_ctl = (kl.AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
                        if cfg.kl.target is not None else kl.FixedKLController(cfg.kl.coef))
         self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device,

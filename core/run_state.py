@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rlpipe.core import build, checkpoint, distributed, export, rundir
+from rlpipe.core import build, checkpoint, distributed, export, registry, rundir
 from rlpipe.core.config import save_config
 from rlpipe.core.errors import UserError
 from rlpipe.core.metrics import keep_steps
@@ -123,6 +123,8 @@ class RunState:
                 raise UserError(f"run.steps={self.cfg.run.steps}: {path} is already at step "
                                 f"{state['step']}; raise run.steps to continue it")
             self._load_changed(state, changes)
+            # the engine started from the actor's weights before they were restored
+            registry.call(self.plugins.collector.sync_weights, self.models.actor)
         if self.dist.is_main:
             keep_steps(self.run_dir / "metrics.jsonl", self.step_count)
             save_config(self.cfg, self.run_dir / "config.yaml")

@@ -119,7 +119,7 @@ def test_evaluation_samples_from_a_declared_sampling_view(tmp_path):
 
     cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "eval.temperature=0.3"])
     training = _Engine()
-    assert eval_collector(cfg, None, training) == ("view", 0.3, 1)
+    assert eval_collector(cfg, None, training) == (("view", 0.3, 1), False)  # core syncs it
     assert training.views == [(0.3, 1)]
     with pytest.raises(PluginError, match="sampling_view.*engine gone"):
         eval_collector(cfg, None, _Engine(fail=True))

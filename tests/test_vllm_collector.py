@@ -447,12 +447,15 @@ def test_a_sampling_view_shares_the_engine_and_its_weights(collector, tokenizer,
 
 
 def test_evaluation_samples_from_the_training_engine(tmp_path, tokenizer, monkeypatch):
-    """A run that evaluates every step (sampled, temperature 1) starts one engine, not two."""
+    """A run that evaluates every step (sampled, temperature 1) starts one engine, not two, and
+    pushes the actor's weights once per update, not again for each evaluation."""
     need_vllm()
-    starts = []
-    start = VLLMCollector._start
+    starts, syncs = [], []
+    start, sync = VLLMCollector._start, VLLMCollector.sync_weights
     monkeypatch.setattr(VLLMCollector, "_start",
                         lambda self, *a, **k: starts.append(1) or start(self, *a, **k))
+    monkeypatch.setattr(VLLMCollector, "sync_weights",
+                        lambda self, model: syncs.append(1) or sync(self, model))
     model_dir, prompts = write_assets(tmp_path, tokenizer)
     run_dir = train(load_config(TINY_CONFIG, [
         f"models.actor.path={model_dir}", "models.actor.init=pretrained", "run.steps=2",
@@ -461,10 +464,28 @@ def test_evaluation_samples_from_the_training_engine(tmp_path, tokenizer, monkey
         "eval.every=1", "eval.temperature=1.0", f"run.output_dir={tmp_path / 'run'}"]),
         progress=False)
     assert len(starts) == 1, "evaluation started an engine of its own"
+    assert len(syncs) == 2, "one push per update; evaluation reads the engine as it is"
     logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "eval/score" in r] == [0, 1, 2]
     samples = (run_dir / "samples" / "eval-step-2.jsonl").read_text().splitlines()
     assert len(samples) == len(PROMPTS)          # one answer per prompt (n: 1)
+
+
+def test_a_resumed_run_samples_from_the_restored_actor(tmp_path, tokenizer):
+    """The engine starts from the actor's initial weights, before the checkpoint is loaded:
+    resuming must push the restored actor into it, or step 3 samples from step 0's policy."""
+    need_vllm()
+    model_dir, prompts = write_assets(tmp_path, tokenizer)
+    run_dir = tmp_path / "run"
+    common = [f"run.output_dir={run_dir}", f"models.actor.path={model_dir}",
+              "models.actor.init=pretrained", f"data.prompts={prompts}", "data.batch_size=4",
+              "collector.name=vllm", "collector.max_new_tokens=8", "collector.kv_cache_gb=0.25",
+              "checkpoint.every=1", "train.lr=0.01"]
+    train(load_config(TINY_CONFIG, [*common, "run.steps=2"]), progress=False)
+    train(load_config(TINY_CONFIG, [*common, "run.steps=3"]), progress=False, resume=True)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["collector/logprob_gap"] < 1e-4 for m in metrics] == [True, True, True]
 
 
 def test_two_processes_each_with_its_engine_follow_the_sharded_actor(tmp_path, tokenizer, harness):
