@@ -209,6 +209,18 @@ class Pipeline(RunState):
         gap = (batch[S.ENGINE_LOG_PROB] - batch[S.OLD_LOG_PROB]).abs()
         return {"collector/logprob_gap": to_float(masked_mean(gap, batch[S.RESPONSE_MASK]))}
 
+    def _shape_reward(self, batch: TensorDict) -> tuple[torch.Tensor, float, float]:
+        """Write ``reward`` (stage 4); the per-token KL [B, R] (0 on padding), the KL
+        controller's coefficient, and the part of it that goes to the loss."""
+        mask, cfg = batch[S.RESPONSE_MASK], self.cfg.kl
+        kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], cfg.estimator,
+                                 cfg.clamp) * mask
+        guards.check_kl(batch, kl_tok, cfg.estimator)
+        coef = self.kl_ctl.value
+        reward_coef, loss_coef = kl.split_coef(cfg.in_, coef)
+        batch[S.REWARD] = kl.shape_reward(batch[S.SCORE], kl_tok, mask, reward_coef)
+        return kl_tok, coef, loss_coef
+
     def step(self) -> tuple[TensorDict, dict]:
         """One PPO step; returns the batch and the step's metrics."""
         t0 = time.perf_counter()
@@ -237,13 +249,7 @@ class Pipeline(RunState):
         rollout_metrics = correction.apply(batch, self.cfg.rollout_correction)
         # 4. KL shaping: score on the last valid token, -beta * KL on every token (kl.in: reward;
         #    with kl.in: loss beta goes to the loss in stage 6)
-        kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], self.cfg.kl.estimator,
-                                 self.cfg.kl.clamp)
-        kl_tok = kl_tok * mask
-        guards.check_kl(batch, kl_tok, self.cfg.kl.estimator)
-        coef = self.kl_ctl.value
-        reward_coef, loss_coef = kl.split_coef(self.cfg.kl.in_, coef)
-        batch[S.REWARD] = kl.shape_reward(batch[S.SCORE], kl_tok, mask, reward_coef)
+        kl_tok, coef, loss_coef = self._shape_reward(batch)
         # 5. advantage and value targets
         advantage = self.plugins.advantage
         batch = guards.check_output(registry.call(advantage, batch), advantage,
