@@ -61,8 +61,10 @@ def model_config(size: str, tokenizer):
         tie_word_embeddings=False, **ids)
 
 
-def make_assets(folder: Path, size: str) -> Path:
-    """Write ``folder/model`` (config.json + tokenizer) and ``folder/prompts.txt``."""
+def make_assets(folder: Path, size: str, weights: str | None = None) -> Path:
+    """Write ``folder/model`` (config.json + tokenizer) and ``folder/prompts.txt``; with
+    ``weights`` (a dtype name) also random weights in that dtype, for ``init: pretrained``: built
+    once and loaded by each process, where ``init: random`` builds them again in each."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(TINY / "model"))
     config = model_config(size, tokenizer)
     tokenizer.add_tokens([f"<x{i}>" for i in range(config.vocab_size - len(tokenizer))])
@@ -70,6 +72,9 @@ def make_assets(folder: Path, size: str) -> Path:
     model_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+    if weights is not None:
+        transformers.AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, weights)).save_pretrained(model_dir)
     shutil.copy(TINY / "prompts.txt", folder / "prompts.txt")
     return folder
 
@@ -90,11 +95,13 @@ def make_reward_model(folder: Path, size: str, dtype: str = "float32") -> Path:
 def make_config(folder: Path, *, batch: int, new_tokens: int, device: str = "cpu",
                 dtype: str = "float32", lora: bool = False, critic: dict | None = None,
                 actor: dict | None = None, epochs: int = 4, minibatches: int = 2,
-                reference: dict | None = None, reward_model: dict | None = None):
+                reference: dict | None = None, reward_model: dict | None = None,
+                init: str = "random"):
     """The rlpipe config of the benchmarks: ``init: random``, one length reward, GAE, PPO,
     temperature-1 sampling over the full vocabulary, no shuffling (every step sees the same
     prompts in the same order as the plain loop). ``lora``: ``models.actor.lora = {r: 8, alpha:
-    16}``; ``critic``: the ``models.critic`` section; ``actor``: more ``models.actor`` keys."""
+    16}``; ``critic``: the ``models.critic`` section; ``actor``: more ``models.actor`` keys;
+    ``init``: ``models.actor.init`` (``pretrained`` needs `make_assets` with ``weights``)."""
     from rlpipe.core.config import load_config
 
     name = (f"{batch}x{new_tokens}{'_lora' if lora else ''}{'_critic' if critic else ''}"
@@ -102,7 +109,7 @@ def make_config(folder: Path, *, batch: int, new_tokens: int, device: str = "cpu
     raw = {
         "run": {"steps": 1000, "seed": 0, "output_dir": str(folder / f"run_{name}"),
                 "device": device},
-        "models": {"actor": {"path": "model", "init": "random", "dtype": dtype,
+        "models": {"actor": {"path": "model", "init": init, "dtype": dtype,
                              **({"lora": {"r": 8, "alpha": 16}} if lora else {}), **(actor or {})},
                    **({"critic": critic} if critic else {}),
                    **({"reference": reference} if reference else {})},

@@ -5,10 +5,10 @@ fine-tuning with full copies (a frozen reference copy and a full critic), same m
     python benchmarks/memory.py --device cuda --size 300m              # GPU: peak allocated
 
 Each measurement runs in a fresh Python process (``--child``), the variants alternating, so no
-allocator state carries over. A child builds the pipeline (random-init Llama, benchmarks/
-common.py), runs two PPO steps (batch 16 x 64 tokens, every response full length, 1 epoch x 2
-minibatches: the optimizer states exist after the first minibatch, more epochs add time, not
-memory) and reports, in MiB:
+allocator state carries over. A child builds the pipeline (a Llama-style model with random
+weights that the parent saved once, benchmarks/common.py), runs two PPO steps (batch 16 x 64
+tokens, every response full length, 1 epoch x 2 minibatches: the optimizer states exist after
+the first minibatch, more epochs add time, not memory) and reports, in MiB:
 
 - ``baseline``: resident after importing torch/transformers/rlpipe (CPU) or 0 (GPU);
 - ``models``: the rise from building actor, reference and critic;
@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 CKPT = {"gradient_checkpointing": True}
 VARIANTS = {"full": {}, "full+ckpt": {"actor": CKPT, "critic": CKPT}, "lora": {"lora": True},
@@ -59,13 +60,16 @@ def child(args) -> None:
         torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     baseline = 0.0 if cuda else memory_mib()[0]
-    folder = make_assets(workdir(), args.size)
-    rm = None
-    if args.reward_model:  # the fourth model; offloaded to CPU between uses with the savers
-        make_reward_model(folder, args.size, args.dtype)
-        rm = {"dtype": args.dtype, "offload": "savers" in args.child}
+    if args.assets:   # the parent's models, saved once (`assets`)
+        folder, init = Path(args.assets), "pretrained"
+    else:
+        folder, init = make_assets(workdir(), args.size), "random"
+        if args.reward_model:
+            make_reward_model(folder, args.size, args.dtype)
+    # the reward model is the fourth model; offloaded to CPU between uses with the savers
+    rm = {"dtype": args.dtype, "offload": "savers" in args.child} if args.reward_model else None
     cfg = make_config(folder, batch=args.batch, new_tokens=args.new_tokens, device=args.device,
-                      dtype=args.dtype, epochs=1, minibatches=2, reward_model=rm,
+                      dtype=args.dtype, epochs=1, minibatches=2, reward_model=rm, init=init,
                       **VARIANTS[args.child])
     pipe = build_pipeline(cfg)
     resident, _ = memory_mib(args.device)
@@ -92,10 +96,21 @@ def child(args) -> None:
         "response_tokens": int(batch["response_mask"].sum())}))
 
 
-def run_child(args, variant: str) -> dict:
+def assets(args) -> Path:
+    """The models every child loads: actor (random weights, saved) and reward model, built once
+    here (each child building 1.5B-parameter models afresh took most of a GPU run's time)."""
+    from common import make_assets, make_reward_model, workdir
+
+    folder = make_assets(workdir(), args.size, weights=args.dtype)
+    if args.reward_model:
+        make_reward_model(folder, args.size, args.dtype)
+    return folder
+
+
+def run_child(args, variant: str, folder: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, "--device", args.device, "--size",
            args.size, "--dtype", args.dtype, "--batch", str(args.batch), "--new-tokens",
-           str(args.new_tokens), "--threads", str(args.threads),
+           str(args.new_tokens), "--threads", str(args.threads), "--assets", str(folder),
            *(["--reward-model"] if args.reward_model else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
@@ -121,6 +136,7 @@ def main(argv=None):
                         help="add a sequence-classification reward model of the same architecture "
                              "(offloaded in the *savers variants)")
     parser.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--assets", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     args.size = args.size or ("300m" if cuda else "medium")
@@ -145,10 +161,13 @@ def main(argv=None):
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     samples = {v: [] for v in chosen}
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = assets(args)
     for rep in range(args.reps):
         names = list(chosen)
         for variant in names[rep % len(names):] + names[:rep % len(names)]:
-            samples[variant].append(run_child(args, variant))
+            samples[variant].append(run_child(args, variant, folder))
             m = samples[variant][-1]
             print(f"rep {rep + 1} {variant:<12}: step peak {m['peak']:6.0f} MiB (first step "
                   f"{m['first_peak']:6.0f}), models {m['models']:5.0f}, step rise {m['step']:5.0f}, "

@@ -27,7 +27,8 @@ Parts (each in a fresh process, so no allocator state carries over):
    (actor, reference, critic forwards), rewards, the PPO update and weight sync; generation
    tokens/s with the dynamic and with a static KV cache; update-phase MFU = 6 x trainable params
    x tokens through the update / time / peak dense bf16 FLOP/s (989 TFLOP/s for H100 and H200
-   SXM, the number we use).
+   SXM, the number we use); then the update once more under `torch.profiler` (its costliest
+   operators, ``update_profile``).
 2. ``memory``: `benchmarks/memory.py` at the Qwen2.5-1.5B architecture with a reward model of the
    same architecture: full copies against LoRA, a shared-backbone critic, activation
    checkpointing and reference + reward-model offload.
@@ -98,7 +99,25 @@ def phases(args) -> dict:
               "mfu": flops / rows["update"]["s"] / peak if peak else None}
     return {"device_name": name, "size": args.size, "batch": args.batch,
             "new_tokens": args.new_tokens, "dtype": args.dtype, "phases": rows, "update": update,
-            "kv_cache": kv_cache(pipe, batch, args), "step_metrics": metrics}
+            "kv_cache": kv_cache(pipe, batch, args), "step_metrics": metrics,
+            "update_profile": profile_update(pipe, batch, args)}
+
+
+def profile_update(pipe, batch, args) -> str:
+    """The update of ``batch`` once more, under `torch.profiler`: its 25 costliest operators by
+    device time (by CPU time on CPU), as the table torch prints; where the MFU work starts."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from common import sync
+
+    cuda = args.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        type(pipe.updater).update(pipe.updater, batch)  # the class's: not the timed wrapper
+        sync(args.device)
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=25)
 
 
 def kv_cache(pipe, batch, args) -> dict:
