@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import (build, checkpoint, compose, console, distributed, guards, kl, preflight,
-                         registry, samples, schema)
+from rlpipe.core import (build, checkpoint, compose, console, distributed, guards, kl, oom,
+                         preflight, registry, samples, schema)
 from rlpipe.core import rollout_correction as correction
 from rlpipe.core.config import Config
 from rlpipe.core.context import RunContext
@@ -66,6 +66,7 @@ class Pipeline(RunState):
     """
 
     @console.quiet_libraries()  # transformers' own bars would cut through rlpipe's lines
+    @oom.explains
     def __init__(self, cfg: Config, overwrite: bool = False, progress: bool = True,
                  resume: bool = False, *, dataset=None, collector=None, rewards=None,
                  advantage=None, loss=None):
@@ -221,6 +222,7 @@ class Pipeline(RunState):
         batch[S.REWARD] = kl.shape_reward(batch[S.SCORE], kl_tok, mask, reward_coef)
         return kl_tok, coef, loss_coef
 
+    @oom.explains
     def step(self) -> tuple[TensorDict, dict]:
         """One PPO step; returns the batch and the step's metrics."""
         t0 = time.perf_counter()
@@ -293,6 +295,7 @@ class Pipeline(RunState):
         samples.write_samples(self.run_dir, self.step_count, rows)
         writer.log_samples(rows, self.step_count)
 
+    @oom.explains
     @console.quiet_libraries()
     def train(self) -> Path:
         """Run the remaining steps, append metrics (rank 0), checkpoint, save the final policy.

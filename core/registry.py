@@ -301,7 +301,8 @@ def label_of(obj) -> str:
 @contextlib.contextmanager
 def calling(label: str, what: str = "call"):
     """Run plugin code: an exception or ``sys.exit`` inside becomes a `PluginError` naming the
-    plugin (``label``) and the method (``what``). `UserError` and KeyboardInterrupt pass as they are.
+    plugin (``label``) and the method (``what``). `UserError` and KeyboardInterrupt pass as they are,
+    and so does running out of memory, marked with the innermost plugin's label.
 
     >>> try:
     ...     with calling("loss (rlpipe.losses:x (dist 1.0))", "forward"):
@@ -315,6 +316,11 @@ def calling(label: str, what: str = "call"):
     except (UserError, KeyboardInterrupt):
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - plugin code: report, do not crash
+        from rlpipe.core.oom import is_oom
+
+        if is_oom(exc):   # not the plugin's fault: `rlpipe.core.oom` says where and what to change
+            exc.rlpipe_plugin = getattr(exc, "rlpipe_plugin", label)
+            raise
         raise PluginError(f"{label} failed in {what}: {describe(exc)}") from exc
 
 

@@ -163,3 +163,19 @@ def test_tiny_example_on_cuda_follows_the_cpu_trajectory(tmp_path):
         assert a.keys() == b.keys()
         for key, value in b.items():
             assert a[key] == pytest.approx(value, abs=TRAJECTORY_TOL), (a["step"], key)
+
+
+def test_running_out_of_gpu_memory_is_one_line(tmp_path):
+    """A real CUDA out-of-memory error (this process may use a millionth of the GPU, less than
+    one 2 MiB block of the caching allocator) becomes one `UserError` naming the stage."""
+    from rlpipe.core.errors import UserError
+
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1e-6)
+    try:
+        with pytest.raises(UserError, match=r"^out of memory in .* GiB allocated \(") as e:
+            Pipeline(tiny(tmp_path, "train.grad_accum=1"), progress=False).train()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
+    assert "; to fit, try " in str(e.value)
