@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from rlpipe.core import guards, kl, registry, schema
+from rlpipe.core import guards, kl, oom, registry, schema
 from rlpipe.core.errors import UserError
 from rlpipe.core.models import response_logprobs
 
@@ -174,7 +174,8 @@ def check_config(cfg, echo=print) -> Mismatch:
     try:
         pipe = Pipeline(cfg, progress=False)
         try:
-            return check(pipe, echo)
+            with oom.explained(cfg):   # running out of memory is one line, as in `rlpipe run`
+                return check(pipe, echo)
         finally:
             close_collector(pipe.plugins.collector)
     finally:

@@ -134,3 +134,12 @@ def test_evaluation(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="^out of memory in evaluation") as e:
         pipe.train()
     assert "eval.batch_size (now 64)" in str(e.value)
+
+
+def test_rlpipe_check_explains_it_too(tmp_path, monkeypatch):
+    from rlpipe.core import models, preflight
+
+    monkeypatch.setattr(models, "_forward", failing(models._forward))
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "run.device=cpu"])
+    with pytest.raises(UserError, match="^out of memory in the preflight"):
+        preflight.check_config(cfg, echo=lambda line: None)
