@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import random
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -164,11 +165,19 @@ def check(pipe, echo=print) -> Mismatch:
 
 
 def check_config(cfg, echo=print) -> Mismatch:
-    """``rlpipe check``: build the whole run of ``cfg`` in one process, in a temporary run
-    directory (removed after), and `check` it."""
+    """``rlpipe check``: build the whole run of ``cfg`` in one process (a distributed config's
+    ``nproc`` and ``nnodes`` set to 1, with a warning), in a temporary run directory (removed
+    after), and `check` it."""
     from rlpipe.core.collectors import close_collector
     from rlpipe.core.pipeline import Pipeline
 
+    world = cfg.distributed.nproc * cfg.distributed.nnodes
+    if world > 1:   # the check is one process; the sharded run's own is run.preflight
+        print(f"warning: rlpipe check builds the run in one process and leaves out "
+              f"distributed.nproc={cfg.distributed.nproc}, nnodes={cfg.distributed.nnodes}; for "
+              f"the preflight of the sharded run, use rlpipe run CONFIG run.preflight=true",
+              file=sys.stderr)
+        cfg = replace(cfg, distributed=replace(cfg.distributed, nproc=1, nnodes=1))
     folder = Path(tempfile.mkdtemp(prefix="rlpipe-check-"))
     cfg = replace(cfg, run=replace(cfg.run, output_dir=str(folder / "run"), resume="never"))
     try:

@@ -79,3 +79,12 @@ def test_rlpipe_check_cli_passes_and_fails_on_one_line(tmp_path, harness):
                   "collector.score_truncated: true", code=1)
     harness.error(harness.run(["check", TINY, "run.preflight_max_gap=-1"]),
                   "run.preflight_max_gap", code=2)
+
+
+def test_rlpipe_check_of_a_distributed_config_says_it_runs_one_process(tmp_path, harness):
+    result = harness.run(["check", TINY, *FAST, "distributed.nproc=2", "run.device=cpu"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "preflight passed" in result.stdout
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "distributed.nproc=2" in warnings[0]
+    assert "run.preflight=true" in warnings[0]
