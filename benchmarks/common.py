@@ -96,12 +96,13 @@ def make_config(folder: Path, *, batch: int, new_tokens: int, device: str = "cpu
                 dtype: str = "float32", lora: bool = False, critic: dict | None = None,
                 actor: dict | None = None, epochs: int = 4, minibatches: int = 2,
                 reference: dict | None = None, reward_model: dict | None = None,
-                init: str = "random"):
+                init: str = "random", collector: dict | None = None):
     """The rlpipe config of the benchmarks: ``init: random``, one length reward, GAE, PPO,
     temperature-1 sampling over the full vocabulary, no shuffling (every step sees the same
     prompts in the same order as the plain loop). ``lora``: ``models.actor.lora = {r: 8, alpha:
     16}``; ``critic``: the ``models.critic`` section; ``actor``: more ``models.actor`` keys;
-    ``init``: ``models.actor.init`` (``pretrained`` needs `make_assets` with ``weights``)."""
+    ``init``: ``models.actor.init`` (``pretrained`` needs `make_assets` with ``weights``);
+    ``collector``: more ``collector`` keys."""
     from rlpipe.core.config import load_config
 
     name = (f"{batch}x{new_tokens}{'_lora' if lora else ''}{'_critic' if critic else ''}"
@@ -115,7 +116,7 @@ def make_config(folder: Path, *, batch: int, new_tokens: int, device: str = "cpu
                    **({"reference": reference} if reference else {})},
         "data": {"prompts": "prompts.txt", "batch_size": batch, "shuffle": False},
         "collector": {"name": "hf", "max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
-                      "temperature": 1.0, "micro_batch_size": max(batch, 1)},
+                      "temperature": 1.0, "micro_batch_size": max(batch, 1), **(collector or {})},
         "rewards": [{"name": "length", **LENGTH_REWARD},
                     *([{"name": "reward_model", "path": "rm", **reward_model}]
                       if reward_model is not None else [])],

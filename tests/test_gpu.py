@@ -179,3 +179,24 @@ def test_running_out_of_gpu_memory_is_one_line(tmp_path):
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
     assert "; to fit, try " in str(e.value)
+
+
+def test_a_static_cache_compiles_decoding_and_keeps_the_log_probs(tiny_model, tiny_tokenizer):
+    """``cache: static`` on CUDA: transformers compiles the decoding step; the drawn tokens'
+    log-probs still equal the trainer's forward, over prompt widths in two STATIC_WIDTH steps."""
+    from rlpipe.core import schema
+    from rlpipe.core.context import RunContext
+    from rlpipe.core.models import response_logprobs
+    from rlpipe.plugins.collectors.hf import HFCollector
+
+    model = tiny_model.to("cuda")
+    collector = HFCollector(RunContext(tokenizer=tiny_tokenizer, actor=model,
+                                       device=torch.device("cuda")),
+                            max_new_tokens=16, temperature=1.0, cache="static")
+    for prompts in (["the cat", "a dog sat"], ["big red dog " * 30, "one"], ["the cat sat"]):
+        batch = collector.collect(prompts)
+        keys = (schema.PROMPT_IDS, schema.PROMPT_MASK, schema.RESPONSE_IDS, schema.RESPONSE_MASK)
+        trainer, _ = response_logprobs(model, *(batch[k] for k in keys), 1.0)
+        gap = (batch[schema.ENGINE_LOG_PROB] - trainer)[batch[schema.RESPONSE_MASK]].abs()
+        assert gap.max() < 1e-4, gap.max()
+    assert getattr(model, "_compiled_call", None) is not None, "decoding was not compiled"

@@ -203,7 +203,7 @@ def test_outputs_are_usable_by_autograd_and_train_mode_is_restored(ctx):
     dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
     dict(top_k=True), dict(n=0), dict(micro_batch_size=0), dict(max_prompt_tokens=0),
     dict(stop_strings="stop"), dict(stop_strings=[""]), dict(min_new_tokens=-1),
-    dict(min_new_tokens=5, max_new_tokens=4), dict(min_new_tokens=1.0),
+    dict(min_new_tokens=5, max_new_tokens=4), dict(min_new_tokens=1.0), dict(cache="paged"),
 ])
 def test_bad_args_raise_user_error(ctx, kwargs):
     with pytest.raises(UserError, match="hf collector: " + next(iter(kwargs))):
@@ -278,3 +278,43 @@ def test_collector_draws_from_the_processed_distribution(ctx, tiny_model, tiny_t
     assert set(first.unique().tolist()) <= set(top.tolist())
     assert _within_five_sigma(counts[top], probs[top])
     assert torch.allclose(batch[schema.ENGINE_LOG_PROB][:, 0].double(), probs[first].log(), atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_static_cache_draws_what_the_dynamic_cache_draws(ctx, tiny_model, monkeypatch,
+                                                           temperature):
+    """Same tokens, engine and trainer log-probs within float32 round-off, prompts widened to a
+    multiple of STATIC_WIDTH (here past one: a prompt of about 90 tokens)."""
+    from rlpipe.core.models import response_logprobs
+    from rlpipe.plugins.collectors.hf import STATIC_WIDTH
+
+    prompts = ["the cat sat on the mat", "hello", "big red dog " * 30, "one"]
+    widths, generate = [], tiny_model.generate
+    monkeypatch.setattr(tiny_model, "generate",
+                        lambda **kw: widths.append(kw["input_ids"].shape[1]) or generate(**kw))
+    out = {}
+    for cache in ("dynamic", "static"):
+        collector = HFCollector(ctx, max_new_tokens=12, temperature=temperature, cache=cache)
+        collector.record_actor_log_prob(temperature)
+        torch.manual_seed(5)
+        out[cache] = collector.collect(prompts)
+    dynamic, static = out["dynamic"], out["static"]
+    longest = widths[0]    # the dynamic cache gets the longest prompt's width
+    assert longest > STATIC_WIDTH and widths == [longest, -(-longest // STATIC_WIDTH) * STATIC_WIDTH]
+    assert torch.equal(dynamic[schema.RESPONSE_IDS], static[schema.RESPONSE_IDS])
+    for key in (schema.ENGINE_LOG_PROB, schema.ACTOR_LOG_PROB):
+        torch.testing.assert_close(static[key], dynamic[key], atol=1e-5, rtol=0)
+    trainer, _ = response_logprobs(tiny_model, *(static[k] for k in (
+        schema.PROMPT_IDS, schema.PROMPT_MASK, schema.RESPONSE_IDS, schema.RESPONSE_MASK)),
+        temperature)
+    mask = static[schema.RESPONSE_MASK]
+    assert (static[schema.ACTOR_LOG_PROB] - trainer)[mask].abs().max() < 1e-5
+
+
+def test_a_static_cache_runs_every_prompt_token_and_records_no_hidden_state(tiny_model,
+                                                                           tiny_tokenizer):
+    shared = RunContext(tokenizer=tiny_tokenizer, actor=tiny_model, shared_prefix=True)
+    assert HFCollector(shared).shared_prefix and not HFCollector(shared, cache="static").shared_prefix
+    plain = RunContext(tokenizer=tiny_tokenizer, actor=tiny_model)
+    with pytest.raises(UserError, match="cache: static does not record hidden states"):
+        HFCollector(plain, cache="static").record_hidden(True)

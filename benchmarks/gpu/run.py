@@ -34,6 +34,11 @@ Parts (each in a fresh process, so no allocator state carries over):
    checkpointing and reference + reward-model offload.
 3. ``tiny``: the tiny example's ``metrics.jsonl`` on CUDA against CPU (10 steps): the largest
    absolute difference of every metric, against a stated tolerance.
+
+``static`` is part 1 again with the ``hf`` collector on ``cache: static`` (transformers compiles
+the decoding step on CUDA), after ``phases``. ``--parts`` picks parts and their order: the four
+took about 8 minutes on an H200 after the first call's start, more than a 15-minute device
+session leaves beside the test suite.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ ROOT = HERE.parents[1]
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # dense, SXM
 TINY_TOLERANCE = 1e-3   # |cuda - cpu| of a per-step metric over 10 steps, as tests/test_gpu.py
 LIMIT_S = {"phases": 240, "memory": 240, "tiny": 90}   # the first H100 run needed > 10 min in all
+PARTS = ("phases", "static", "memory", "tiny")
 
 
 def phases(args) -> dict:
@@ -63,7 +69,7 @@ def phases(args) -> dict:
 
     folder = make_assets(Path(tempfile.mkdtemp()), args.size)
     cfg = make_config(folder, batch=args.batch, new_tokens=args.new_tokens, device=args.device,
-                      dtype=args.dtype, epochs=1, minibatches=2)
+                      dtype=args.dtype, epochs=1, minibatches=2, collector={"cache": args.cache})
     pipe = build_pipeline(cfg)
     pipe.step()  # warm-up: kernels, allocator, optimizer states
     rows: dict = {}
@@ -97,7 +103,7 @@ def phases(args) -> dict:
               "flops": flops, "tflops_per_s": flops / rows["update"]["s"] / 1e12,
               "peak_bf16_tflops_used": peak / 1e12 if peak else None,
               "mfu": flops / rows["update"]["s"] / peak if peak else None}
-    return {"device_name": name, "size": args.size, "batch": args.batch,
+    return {"device_name": name, "size": args.size, "batch": args.batch, "cache": args.cache,
             "new_tokens": args.new_tokens, "dtype": args.dtype, "phases": rows, "update": update,
             "kv_cache": kv_cache(pipe, batch, args), "step_metrics": metrics,
             "update_profile": profile_update(pipe, batch, args)}
@@ -143,10 +149,11 @@ def kv_cache(pipe, batch, args) -> dict:
     return out
 
 
-def child(part: str, args) -> dict:
-    """Run ``part`` in a fresh process; its JSON result."""
+def child(part: str, args, cache: str = "dynamic") -> dict:
+    """Run ``part`` in a fresh process, the collector on a ``cache`` KV cache; its JSON result."""
     cmd = [sys.executable, __file__, "--part", part, "--device", args.device, "--size", args.size,
-           "--dtype", args.dtype, "--batch", str(args.batch), "--new-tokens", str(args.new_tokens)]
+           "--dtype", args.dtype, "--batch", str(args.batch), "--new-tokens", str(args.new_tokens),
+           "--cache", cache]
     out = bounded(cmd, "phases")
     if "error" in out:
         return out
@@ -204,6 +211,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--part", choices=["phases"], help=argparse.SUPPRESS)
+    parser.add_argument("--cache", default="dynamic", help=argparse.SUPPRESS)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"which parts, in order (default: all: {','.join(PARTS)})")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     smoke = {"device": "cpu", "size": "small", "dtype": "float32", "batch": 4, "new_tokens": 8}
@@ -228,14 +238,19 @@ def main(argv=None):
     out = Path(args.out) if args.out else (folder / "smoke.json" if args.smoke
                                            else RESULTS / f"gpu_{name}.json")
     parts = {"phases": lambda: child("phases", args),
+             "static": lambda: child("phases", args, cache="static"),
              "memory": lambda: memory(args, folder / "memory.json"), "tiny": lambda: tiny(args, folder)}
-    for part, measure in parts.items():   # written after each part: a cut call keeps the rest
-        results[part] = measure()
+    chosen = args.parts.split(",")
+    if any(p not in parts for p in chosen):
+        parser.error(f"--parts: choose from {','.join(PARTS)}")
+    for part in chosen:   # written after each part: a cut call keeps the rest
+        results[part] = parts[part]()
         results["total_s"] = time.perf_counter() - start
         write_json(out, results)
         print(part, "done", round(results["total_s"]), "s", flush=True)
-    failed = [k for k in ("phases", "memory", "tiny") if "error" in results[k]]
-    print(json.dumps({k: results[k] for k in ("phases", "tiny")}, indent=1, default=str)[:6000])
+    failed = [k for k in chosen if "error" in results[k]]
+    print(json.dumps({k: results[k] for k in chosen if k != "memory"}, indent=1,
+                     default=str)[:6000])
     if failed:
         raise SystemExit(f"parts failed: {', '.join(failed)}")
 
