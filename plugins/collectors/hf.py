@@ -54,8 +54,8 @@ class HFCollector(Collector):
     compiles the decoding step for on CUDA (4.0x the tokens/s of the dynamic cache for a 0.5B
     model on an H200, `generate` alone; BENCHMARKS.md). Prompt widths are rounded up to a
     multiple of `STATIC_WIDTH` so that few cache shapes are compiled. Sampling then runs every
-    prompt token (no ``models.shared_prefix``), and ``record_hidden`` is refused; on CPU, where
-    nothing is compiled, it gains nothing."""
+    prompt token (no ``models.shared_prefix``), and ``record_hidden`` is refused. On CPU, where
+    nothing is compiled, it is slower (3.9 against 3.2 s for 16 x 32 tokens of SmolLM2-135M)."""
 
     name = "hf"
 
