@@ -25,8 +25,8 @@ A collector (group ``rlpipe.collectors``) is a class with ``collect(prompts) -> 
   ``rollout_correction.old_log_prob``) takes it as ``old_log_prob`` instead of running that
   forward. Default None: not offered.
 - ``sampling_view(temperature, n)``: a collector that samples at ``temperature``, ``n`` per
-  prompt, from this one's engine and weights, without changing this one's settings or the random
-  stream of its rollouts, and whose ``close()`` leaves the engine running. Evaluation uses it
+  prompt, from this one's engine and weights, leaves this one's settings as they are, and whose
+  ``close()`` leaves the engine running. Evaluation uses it
   (`sampling_view`) so that an engine that holds GPU memory (``vllm``) is not started twice.
   Default None: evaluation builds a second collector from the config.
 

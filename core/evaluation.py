@@ -11,8 +11,8 @@ one answer per prompt, from the training collector's ``sampling_view`` where the
 one (``vllm``: the same engine, no second one), else from its own collector instance (the
 training collector's arguments with those two changed), under a forked torch RNG (seeded
 ``run.seed + step``) and a restored Python RNG, and the reward statistics of ``reward.normalize``
-do not see it. A run with evaluation logs the same training metrics as one
-without (with ``hf``; a ``vllm`` engine's draws depend on its history, so its runs do not repeat).
+do not see it. A run with evaluation logs the same training metrics as one without (with
+``hf``; a ``vllm`` engine's draws depend on its history, so its runs do not repeat anyway).
 
 >>> Evaluator.due(every=0, step=3, last=10), Evaluator.due(every=5, step=5, last=12)
 (False, True)
