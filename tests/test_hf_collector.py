@@ -318,3 +318,12 @@ def test_a_static_cache_runs_every_prompt_token_and_records_no_hidden_state(tiny
     plain = RunContext(tokenizer=tiny_tokenizer, actor=tiny_model)
     with pytest.raises(UserError, match="cache: static does not record hidden states"):
         HFCollector(plain, cache="static").record_hidden(True)
+
+
+def test_a_static_cache_is_for_one_process(tiny_model, tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    ctx = RunContext(tokenizer=tiny_tokenizer, actor=tiny_model)
+    with pytest.raises(UserError, match="cache: static is for one process"):
+        HFCollector(ctx, cache="static")
+    assert HFCollector(ctx).cache == "dynamic"

@@ -54,7 +54,8 @@ class HFCollector(Collector):
     compiles the decoding step for on CUDA (4.0x the tokens/s of the dynamic cache for a 0.5B
     model on an H200, `generate` alone; BENCHMARKS.md). Prompt widths are rounded up to a
     multiple of `STATIC_WIDTH` so that few cache shapes are compiled. Sampling then runs every
-    prompt token (no ``models.shared_prefix``), and ``record_hidden`` is refused. On CPU, where
+    prompt token (no ``models.shared_prefix``); ``record_hidden`` and several processes are
+    refused. On CPU, where
     nothing is compiled, it is slower (3.9 against 3.2 s for 16 x 32 tokens of SmolLM2-135M)."""
 
     name = "hf"
@@ -70,6 +71,10 @@ class HFCollector(Collector):
                          chat_template=chat_template, stop_strings=stop_strings,
                          min_new_tokens=min_new_tokens, score_truncated=score_truncated)
         self.model, self.micro_batch_size, self.keep_hidden = ctx.actor, micro_batch_size, False
+        if cache == "static" and _world() > 1:
+            raise UserError(f"{self.label}: cache: static is for one process (under FSDP2 the "
+                            f"actor's weights are gathered anew for each generate, and a compiled "
+                            f"decoding step has not been run on them); use cache: dynamic")
         # prompt tokens rows share: prefilled once (not into a static cache, which starts empty)
         self.shared_prefix = ctx.shared_prefix and cache != "static"
         self.cache = cache
@@ -321,6 +326,12 @@ class _EndTracker(StoppingCriteria):
             done[running] |= hits.to(done.device)
         self.lengths = torch.where(done & (self.lengths < 0), new.shape[1], self.lengths)
         return self.lengths >= 0
+
+
+def _world() -> int:
+    """Processes in this job (1 without torch.distributed)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @contextmanager
