@@ -62,11 +62,13 @@ def _frames(exc: BaseException) -> list[tuple[str, str]]:
     return out
 
 
-def hints(cfg, stage: str) -> list[str]:
-    """Settings that shrink ``stage``, with their values now; savers already on are left out."""
+def hints(cfg, stage: str, critic: bool = True) -> list[str]:
+    """Settings that shrink ``stage``, with their values now; savers already on, and the critic's
+    where the run has none, are left out."""
     m, t = cfg.models, cfg.train
     models = [f"models.actor.lora (now {'set' if m.actor.lora else 'null'})",
-              *([] if m.critic.shared_backbone else ["models.critic.shared_backbone: true"]),
+              *([] if m.critic.shared_backbone or not critic
+                else ["models.critic.shared_backbone: true"]),
               *([] if m.reference.offload else ["models.reference.offload: true"]),
               f"models.actor.dtype (now {m.actor.dtype})",
               f"distributed.nproc (now {cfg.distributed.nproc}: FSDP2 shards the models)"]
@@ -75,7 +77,8 @@ def hints(cfg, stage: str) -> list[str]:
     by_stage = {
         "the PPO update": [f"train.grad_accum (now {t.grad_accum}: raise it, fewer sequences "
                            f"at once)",
-                           *[f"models.{k}.gradient_checkpointing: true" for k in ("actor", "critic")
+                           *[f"models.{k}.gradient_checkpointing: true"
+                             for k in ("actor", "critic")[:2 if critic else 1]
                              if not getattr(m, k).gradient_checkpointing], new_tokens, *models],
         "scoring (reference log-probs, values)": [
             f"train.forward_batch_size (now {t.forward_batch_size})", *models],
@@ -95,8 +98,9 @@ def _in_use() -> str:
 
 
 @contextlib.contextmanager
-def explained(cfg):
-    """Within the block, running out of memory is a `UserError` naming the stage and hints."""
+def explained(cfg, critic: bool = True):
+    """Within the block, running out of memory is a `UserError` naming the stage and hints
+    (``critic``: whether the run has a critic to shrink)."""
     try:
         yield
     except Exception as exc:
@@ -108,15 +112,17 @@ def explained(cfg):
             where = plugin if stage == "the run" else f"{stage}, {plugin}"
         first = str(exc).strip().splitlines()[0][:240] if str(exc).strip() else type(exc).__name__
         raise UserError(f"out of memory in {where}{_in_use()} ({first}); to fit, try "
-                        + "; ".join(hints(cfg, stage))) from exc
+                        + "; ".join(hints(cfg, stage, critic))) from exc
 
 
 def explains(method):
     """`explained` around a `Pipeline` method (``__init__``, ``step``, ``train``), with the
-    pipeline's config (or the first argument, for ``__init__`` before it sets ``cfg``); an inner
-    one has explained it already, so an outer one sees a `UserError` and lets it pass."""
+    pipeline's config (or the first argument, for ``__init__`` before it sets ``cfg``) and
+    whether its models include a critic (unknown before they are built: yes); an inner one has
+    explained it already, so an outer one sees a `UserError` and lets it pass."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with explained(getattr(self, "cfg", None) or args[0]):
+        critic = getattr(getattr(self, "models", None), "critic", True) is not None
+        with explained(getattr(self, "cfg", None) or args[0], critic):
             return method(self, *args, **kwargs)
     return wrapper

@@ -93,6 +93,19 @@ def test_scoring_and_the_update_are_told_apart(tmp_path, monkeypatch):
     assert "models.actor.gradient_checkpointing" not in message
 
 
+def test_a_run_without_a_critic_gets_no_critic_hints(tmp_path, monkeypatch):
+    from rlpipe.core import models
+
+    monkeypatch.setattr(models, "_forward",
+                        failing(models._forward, lambda *a, **k: torch.is_grad_enabled()))
+    pipe = pipeline(tmp_path, "advantage.name=grpo", "collector.n=2")
+    assert pipe.models.critic is None
+    with pytest.raises(UserError, match="^out of memory in the PPO update") as e:
+        pipe.step()
+    assert "models.actor.gradient_checkpointing: true" in str(e.value)
+    assert "models.critic" not in str(e.value)
+
+
 def test_generation_names_the_collector(tmp_path, monkeypatch):
     from rlpipe.plugins.collectors.hf import HFCollector
 
