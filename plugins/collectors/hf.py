@@ -36,8 +36,8 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
                           TopPLogitsWarper)
 
 from rlpipe.core import schema
-from rlpipe.core.errors import UserError
 from rlpipe.core.distributed import unsharded
+from rlpipe.core.errors import UserError
 from rlpipe.core.lora import merged_weights
 from rlpipe.core.models import generation_cache, unwrap
 from rlpipe.plugins.collectors.base import Collector, Count, Fraction, Temperature, Tokens, TopK
@@ -55,8 +55,8 @@ class HFCollector(Collector):
     model on an H200, `generate` alone; BENCHMARKS.md). Prompt widths are rounded up to a
     multiple of `STATIC_WIDTH` so that few cache shapes are compiled. Sampling then runs every
     prompt token (no ``models.shared_prefix``); ``record_hidden`` and several processes are
-    refused. On CPU, where
-    nothing is compiled, it is slower (3.9 against 3.2 s for 16 x 32 tokens of SmolLM2-135M)."""
+    refused. On CPU, where nothing is compiled, it is slower (3.9 against 3.2 s for 16 x 32
+    tokens of SmolLM2-135M)."""
 
     name = "hf"
 
