@@ -53,24 +53,18 @@ def child(args) -> None:
     """Measure one variant in this (fresh) process; print one JSON line."""
     import torch
 
-    from common import (build_pipeline, count_params, make_assets, make_config, make_reward_model,
-                        memory_mib, reset_peak, workdir)
+    from common import build_pipeline, count_params, make_config, memory_mib, reset_peak
 
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     baseline = 0.0 if cuda else memory_mib()[0]
-    if args.assets:   # the parent's models, saved once (`assets`)
-        folder, init = Path(args.assets), "pretrained"
-    else:
-        folder, init = make_assets(workdir(), args.size), "random"
-        if args.reward_model:
-            make_reward_model(folder, args.size, args.dtype)
-    # the reward model is the fourth model; offloaded to CPU between uses with the savers
+    # the parent's models, saved once (`assets`); the reward model is the fourth, offloaded to
+    # CPU between uses with the savers
     rm = {"dtype": args.dtype, "offload": "savers" in args.child} if args.reward_model else None
-    cfg = make_config(folder, batch=args.batch, new_tokens=args.new_tokens, device=args.device,
-                      dtype=args.dtype, epochs=1, minibatches=2, reward_model=rm, init=init,
-                      **VARIANTS[args.child])
+    cfg = make_config(Path(args.assets), batch=args.batch, new_tokens=args.new_tokens,
+                      device=args.device, dtype=args.dtype, epochs=1, minibatches=2, reward_model=rm,
+                      init="pretrained", **VARIANTS[args.child])
     pipe = build_pipeline(cfg)
     resident, _ = memory_mib(args.device)
     start = time.perf_counter()
