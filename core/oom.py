@@ -97,15 +97,26 @@ def _in_use() -> str:
     return f", {torch.cuda.memory_allocated() / 2**30:.1f} of {total / 2**30:.1f} GiB allocated"
 
 
+def _has_critic(cfg) -> bool:
+    """Whether ``cfg``'s advantage estimator trains a critic, before the models are built
+    (yes where the config cannot say)."""
+    from rlpipe.core.build import needs_critic
+    try:
+        return needs_critic(cfg)
+    except Exception:  # noqa: BLE001 - an unresolvable plugin fails on its own line elsewhere
+        return True
+
+
 @contextlib.contextmanager
-def explained(cfg, critic: bool = True):
+def explained(cfg, critic: bool | None = None):
     """Within the block, running out of memory is a `UserError` naming the stage and hints
-    (``critic``: whether the run has a critic to shrink)."""
+    (``critic``: whether the run has a critic to shrink; None: as ``cfg``'s estimator says)."""
     try:
         yield
     except Exception as exc:
         if not is_oom(exc):
             raise
+        critic = _has_critic(cfg) if critic is None else critic
         stage, plugin = stage_of(_frames(exc)), getattr(exc, "rlpipe_plugin", None)
         where = stage   # with the plugin whose call ran out (`registry.calling`)
         if plugin is not None:
@@ -118,11 +129,12 @@ def explained(cfg, critic: bool = True):
 def explains(method):
     """`explained` around a `Pipeline` method (``__init__``, ``step``, ``train``), with the
     pipeline's config (or the first argument, for ``__init__`` before it sets ``cfg``) and
-    whether its models include a critic (unknown before they are built: yes); an inner one has
-    explained it already, so an outer one sees a `UserError` and lets it pass."""
+    whether its models include a critic (before they are built: what the estimator declares);
+    an inner one has explained it already, so an outer one sees a `UserError` and lets it pass."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        critic = getattr(getattr(self, "models", None), "critic", True) is not None
+        models = getattr(self, "models", None)
+        critic = None if models is None else models.critic is not None
         with explained(getattr(self, "cfg", None) or args[0], critic):
             return method(self, *args, **kwargs)
     return wrapper

@@ -135,6 +135,13 @@ def test_loading_the_models(tmp_path, monkeypatch):
         pipeline(tmp_path)
     assert "models.actor.lora (now null)" in str(e.value)
     assert "distributed.nproc (now 1: FSDP2 shards the models)" in str(e.value)
+    assert "models.critic.shared_backbone: true" in str(e.value)
+
+    # before the models exist, whether there is a critic is what the estimator declares
+    with pytest.raises(UserError, match="^out of memory in loading the models") as e:
+        pipeline(tmp_path / "grpo", "advantage.name=grpo", "collector.n=2")
+    assert "models.actor.lora (now null)" in str(e.value)
+    assert "models.critic" not in str(e.value)
 
 
 def test_evaluation(tmp_path, monkeypatch):
