@@ -264,3 +264,16 @@ def test_frozen_lm_head_runs_one_matmul_not_a_batched_one():
     ops, hooked = ops_and_logp()
     handle.remove()
     assert "aten::bmm" not in ops and torch.allclose(hooked, plain, atol=1e-5)
+
+
+def test_chunks_are_larger_off_the_cpu():
+    """A GPU pass over 4 Mi logits is as short as its launch: off the CPU a chunk holds
+    `GPU_CHUNK_ELEMENTS` (here 8x the positions), and every position is still covered once."""
+    ids = torch.zeros(2, 1500, dtype=torch.long)
+    for device, size in (("cpu", ops.CHUNK_ELEMENTS), ("meta", ops.GPU_CHUNK_ELEMENTS)):
+        logits = torch.empty(1, 1, 49152, device=device).expand(2, 1501, 49152)  # no memory
+        blocks = list(ops._chunks(logits, ids, start=1))
+        assert max(b.stop - b.start for _, b, _ in blocks) == size // 49152
+        covered = [(b, t) for b, block, _ in blocks for t in range(block.start, block.stop)]
+        assert covered == [(b, t) for b in range(2) for t in range(1500)]
+    assert ops.GPU_CHUNK_ELEMENTS >= 8 * ops.CHUNK_ELEMENTS

@@ -27,7 +27,8 @@ Parts (each in a fresh process, so no allocator state carries over):
    (actor, reference, critic forwards), rewards, the PPO update and weight sync; generation
    tokens/s with the dynamic and with a static KV cache; update-phase MFU = 6 x trainable params
    x tokens through the update / time / peak dense bf16 FLOP/s (989 TFLOP/s for H100 and H200
-   SXM, the number we use); then the update once more under `torch.profiler` (its costliest
+   SXM, the number we use); the update again with `ops.token_logprobs`' CPU-sized and GPU-sized
+   chunks (``update_chunks``); then the update once more under `torch.profiler` (its costliest
    operators, ``update_profile``).
 2. ``memory``: `benchmarks/memory.py` at the Qwen2.5-1.5B architecture with a reward model of the
    same architecture: full copies against LoRA, a shared-backbone critic, activation
@@ -106,7 +107,28 @@ def phases(args) -> dict:
     return {"device_name": name, "size": args.size, "batch": args.batch, "cache": args.cache,
             "new_tokens": args.new_tokens, "dtype": args.dtype, "phases": rows, "update": update,
             "kv_cache": kv_cache(pipe, batch, args), "step_metrics": metrics,
+            "update_chunks": update_chunks(pipe, batch, args),
             "update_profile": profile_update(pipe, batch, args)}
+
+
+def update_chunks(pipe, batch, args) -> dict:
+    """The update of ``batch`` timed with `ops.token_logprobs`' CPU-sized chunks and with its
+    GPU-sized ones (the default off the CPU since 2026-11-26, unmeasured until this part ran),
+    alternating twice: seconds per update, best of two."""
+    from common import sync
+    from rlpipe.core import ops
+
+    gpu, out = ops.GPU_CHUNK_ELEMENTS, {}
+    for _ in range(2):
+        for label, size in (("cpu_sized", ops.CHUNK_ELEMENTS), ("gpu_sized", gpu)):
+            ops.GPU_CHUNK_ELEMENTS = size
+            sync(args.device)
+            start = time.perf_counter()
+            type(pipe.updater).update(pipe.updater, batch)
+            sync(args.device)
+            out[label] = min(out.get(label, float("inf")), time.perf_counter() - start)
+    ops.GPU_CHUNK_ELEMENTS = gpu
+    return {**out, "cpu_elements": ops.CHUNK_ELEMENTS, "gpu_elements": gpu}
 
 
 def profile_update(pipe, batch, args) -> str:
