@@ -491,7 +491,8 @@ def test_a_resumed_run_samples_from_the_restored_actor(tmp_path, tokenizer):
 def test_two_processes_each_with_its_engine_follow_the_sharded_actor(tmp_path, tokenizer, harness):
     """``distributed.nproc=2`` through the CLI: each rank starts its own engine, generates its
     share of the prompts, and after the FSDP2 update gathers the actor's shards into its engine;
-    the engine's log-probs then equal the trainer's on both steps."""
+    the engine's log-probs then equal the trainer's on both steps. Evaluation on each rank
+    samples its share of the held-out prompts from that rank's engine (a sampling view)."""
     need_vllm()
     model_dir, prompts = write_assets(tmp_path, tokenizer)
     run_dir = tmp_path / "run"
@@ -499,8 +500,13 @@ def test_two_processes_each_with_its_engine_follow_the_sharded_actor(tmp_path, t
                           f"models.actor.path={model_dir}", "models.actor.init=pretrained",
                           f"data.prompts={prompts}", "data.batch_size=4", "collector.name=vllm",
                           "collector.max_new_tokens=8", "collector.kv_cache_gb=0.25",
+                          f"eval.prompts={prompts}", "eval.every=1", "eval.temperature=1.0",
                           "distributed.nproc=2", "--no-progress"])
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["collector/logprob_gap"] < 1e-4 for m in metrics] == [True, True]
-    assert metrics[1]["kl/ref"] != 0.0  # the actor moved, and the engine followed it
+    train_rows = [m for m in metrics if "collector/logprob_gap" in m]
+    assert [m["collector/logprob_gap"] < 1e-4 for m in train_rows] == [True, True]
+    assert train_rows[1]["kl/ref"] != 0.0  # the actor moved, and the engine followed it
+    assert [m["step"] for m in metrics if "eval/score" in m] == [0, 1, 2]
+    answers = [json.loads(x) for x in (run_dir / "samples" / "eval-step-2.jsonl").read_text().splitlines()]
+    assert sorted(a["prompt"] for a in answers) == sorted(PROMPTS)  # both ranks' shares, once each
