@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -32,6 +33,9 @@ from rlpipe.core.errors import UserError
 
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
+# rlpipe's own folder names under checkpoints/; nothing else there is touched or read
+STEP = re.compile(r"step-(\d{6,7})")
+LEFTOVER = re.compile(r"\.(tmp|trash)-step-\d{6,7}")
 SHARDS = "dcp"                 # a distributed checkpoint's torch.distributed.checkpoint folder
 
 
@@ -138,11 +142,15 @@ def _paths(run_dir: Path, step: int) -> tuple[Path, Path, Path]:
 
 
 def _clear_leftovers(root: Path) -> None:
-    """A kill's leftovers: .tmp-/.trash- folders, a pruned one without marker."""
+    """A kill's leftovers: .tmp-/.trash- folders, a pruned one without marker (rlpipe's names
+    only: a user's ``step-000001-notes/`` stays)."""
     if root.is_dir():
-        for stale in [*root.glob(".t*-step-*"),
-                      *(p for p in root.glob("step-*") if not (p / MARKER).is_file())]:
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in root.iterdir():
+            if stale.is_symlink() or not stale.is_dir():
+                continue
+            if LEFTOVER.fullmatch(stale.name) or (STEP.fullmatch(stale.name)
+                                                  and not (stale / MARKER).is_file()):
+                shutil.rmtree(stale, ignore_errors=True)
 
 
 def _write_error(exc: BaseException, run_dir: Path, tmp: Path, final: Path) -> BaseException:
@@ -171,8 +179,9 @@ def complete(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step-*") if (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    found = [p for p in root.iterdir() if STEP.fullmatch(p.name) and not p.is_symlink()
+             and (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: int(STEP.fullmatch(p.name)[1]))
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -227,7 +236,7 @@ def load_sharded(path: Path, shards: dict) -> dict:
         reason = " ".join(str(exc).split())[:300]
         raise UserError(f"checkpoint {path} does not match this run ({reason}); was it written "
                         f"with another model or LoRA config?") from exc
-    return torch.load(Path(path) / "state.pt", weights_only=True)
+    return _unreadable(path, "state.pt", torch.load, Path(path) / "state.pt", weights_only=True)
 
 
 def load(path: Path, modules: dict) -> dict:
@@ -239,10 +248,22 @@ def load(path: Path, modules: dict) -> dict:
         file = path / f"{name}.safetensors"
         if not file.is_file():
             raise UserError(f"checkpoint {path} has no {file.name}")
-        saved = load_file(str(file))
+        saved = _unreadable(path, file.name, load_file, str(file))
         unknown = set(saved) - {n for n, _ in module.named_parameters()}
         if unknown:
             raise UserError(f"checkpoint {file} does not match the model: unknown keys such as "
                             f"{sorted(unknown)[0]!r} (was it written with another config?)")
         load_full_state(module, saved)
-    return torch.load(path / "state.pt", weights_only=True)
+    return _unreadable(path, "state.pt", torch.load, path / "state.pt", weights_only=True)
+
+
+def _unreadable(path: Path, name: str, read, *args, **kwargs):
+    """``read(*args, **kwargs)``; a file that matches its manifest but does not load (written
+    corrupt, or replaced along with the manifest) is one line naming what to do."""
+    try:
+        return read(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - pickle, safetensors and zip errors have no common base
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise UserError(f"checkpoint {path}: {name} does not load ({type(exc).__name__}: "
+                        f"{reason}); move that folder out of the run directory to resume from "
+                        f"the checkpoint before it") from exc

@@ -2,7 +2,9 @@
 
 rlpipe writes a marker file, ``.rlpipe-run`` (JSON: rlpipe version, kind, creation time), into
 every output directory it creates. It writes only into a new or empty directory, or into one that
-holds its marker and nothing but the names it writes itself (`RUN_LAYOUT`, `RM_LAYOUT`).
+holds its marker and nothing but the names it writes itself (`RUN_LAYOUT`, `RM_LAYOUT`), at its
+top level and in the folders only rlpipe writes into (``final/``, ``samples/``, ``report/``,
+``checkpoints/`` and each checkpoint's folders).
 ``--overwrite`` deletes exactly those entries and nothing else; it never follows a symbolic link,
 and never touches the working directory or one of its parents, the home directory, ``/``, or a
 folder that holds a model, data or config file the run reads. A directory that holds only the
@@ -38,26 +40,41 @@ MARKER = ".rlpipe-run"
 
 @dataclass(frozen=True)
 class Layout:
-    """What one kind of output directory may hold (glob patterns on top-level names)."""
+    """What one kind of output directory may hold (glob patterns on top-level names), and in
+    which of its folders rlpipe alone writes (``inside``: a folder glob relative to the
+    directory, and the names it may hold, folders with a trailing ``/``)."""
     kind: str                       # the marker's "kind"
     label: str                      # what error messages call it
     patterns: tuple[str, ...]       # every top-level entry rlpipe may write
     dirs: tuple[str, ...]           # the patterns that may be folders
     unstarted: tuple[str, ...]      # entries of a directory whose run never finished a step
+    inside: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
+STEP_DIGITS = "[0-9]" * 6   # checkpoints/step-000042 (`rlpipe.core.checkpoint.STEP`)
+# what save_pretrained writes for a model, its tokenizer or a peft adapter
+HF_FOLDER = ("config.json", "generation_config.json", "model*.safetensors",
+             "model.safetensors.index.json", "pytorch_model*.bin", "tokenizer*",
+             "special_tokens_map.json", "vocab*", "merges.txt", "added_tokens.json", "*.model",
+             "chat_template.*", "adapter_*", "README.md")
 RUN_LAYOUT = Layout(
     "run", "run directory",
     (MARKER, "config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "final",
      "report", "tensorboard", "wandb", "samples"),
     ("checkpoints", "final", "report", "tensorboard", "wandb", "samples"),
-    (MARKER, "config.yaml", "metrics.jsonl", "tensorboard", "wandb", "samples"))
+    (MARKER, "config.yaml", "metrics.jsonl", "tensorboard", "wandb", "samples"),
+    # tensorboard/ and wandb/ are those libraries' own: not looked into
+    (("final", HF_FOLDER),
+     ("samples", ("step-*.jsonl", "eval-step-*.jsonl", "*.jsonl.tmp")),
+     ("report", ("*.png", "samples.md")),
+     ("checkpoints", tuple(f"{kind}step-{STEP_DIGITS}{more}/" for kind in ("", ".tmp-", ".trash-")
+                           for more in ("", "[0-9]"))),   # step-NNNNNN (to 9 999 999 steps)
+     ("checkpoints/*", ("COMPLETE", "manifest.json", "state.pt", "*.safetensors", "policy/",
+                        "dcp/")),
+     ("checkpoints/*/policy", HF_FOLDER),
+     ("checkpoints/*/dcp", ("*.distcp", ".metadata*"))))
 RM_LAYOUT = Layout(  # rlpipe train-rm: a save_pretrained classifier, its tokenizer, metrics.jsonl
-    "reward_model", "train-rm output",
-    (MARKER, "metrics.jsonl", "config.json", "generation_config.json", "model*.safetensors",
-     "model.safetensors.index.json", "pytorch_model*.bin", "tokenizer*", "special_tokens_map.json",
-     "vocab*", "merges.txt", "added_tokens.json", "*.model", "chat_template.*", "adapter_*"),
-    (),
+    "reward_model", "train-rm output", (MARKER, "metrics.jsonl", *HF_FOLDER), (),
     (MARKER, "metrics.jsonl"))
 
 
@@ -144,15 +161,27 @@ def _matches(name: str, patterns) -> bool:
 
 
 def foreign_entries(path: Path, layout: Layout) -> list[str]:
-    """Top-level entries rlpipe would not have written there (links, unknown names, wrong types)."""
-    bad = []
-    for entry in sorted(path.iterdir()):
-        is_dir = entry.is_dir() and not entry.is_symlink()
-        ok = (not entry.is_symlink() and _matches(entry.name, layout.patterns)
-              and is_dir == _matches(entry.name, layout.dirs))
-        if not ok:
-            bad.append(entry.name + ("/" if is_dir else " (link)" if entry.is_symlink() else ""))
-    return bad
+    """Entries rlpipe would not have written there (links, unknown names, wrong types): at the
+    top level, and in the folders of ``layout.inside`` (as paths relative to ``path``)."""
+    bad = [_foreign(entry, entry.name, layout.patterns, layout.dirs)
+           for entry in sorted(path.iterdir())]
+    for folder, names in layout.inside:
+        files = tuple(n for n in names if not n.endswith("/"))
+        dirs = tuple(n[:-1] for n in names if n.endswith("/"))
+        for where in sorted(path.glob(folder)):
+            if where.is_dir() and not where.is_symlink():
+                bad += [_foreign(entry, entry.relative_to(path).as_posix(), files + dirs, dirs)
+                        for entry in sorted(where.iterdir())]
+    return [b for b in bad if b]
+
+
+def _foreign(entry: Path, shown: str, patterns, dirs) -> str | None:
+    """``shown`` (with ``/`` or `` (link)``) when ``entry`` is not one of ``patterns``, a
+    folder where ``dirs`` says so and a file elsewhere, and not a link; else None."""
+    is_dir = entry.is_dir() and not entry.is_symlink()
+    if not entry.is_symlink() and _matches(entry.name, patterns) and is_dir == _matches(entry.name, dirs):
+        return None
+    return shown + ("/" if is_dir else " (link)" if entry.is_symlink() else "")
 
 
 def state(path: Path, layout: Layout) -> str:

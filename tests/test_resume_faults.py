@@ -24,6 +24,7 @@ from click.testing import CliRunner
 from rlpipe.cli import main
 from rlpipe.core import checkpoint
 from rlpipe.core.config import load_config
+from rlpipe.core.errors import UserError
 from rlpipe.core.metrics import MetricsWriter
 from rlpipe.core.pipeline import Pipeline
 from tests.conftest import final_weights, logged_metrics as rows
@@ -162,6 +163,7 @@ KILL_SCRIPT = """
 import os, sys
 from rlpipe.core import checkpoint
 from rlpipe.core.config import load_config
+from rlpipe.core.errors import UserError
 from rlpipe.core.pipeline import Pipeline
 real = checkpoint.save_file
 def save_file(tensors, path):
@@ -312,3 +314,36 @@ def test_checkpoint_beyond_run_steps_is_one_line(tmp_path, harness):
     shutil.rmtree(run_dir / "final")
     result = cli("run", TINY, f"run.output_dir={run_dir}", *FAST, "run.steps=1", "--resume")
     harness.error(result, "run.steps=1", "already at step 2")
+
+
+def test_checkpoints_touch_and_read_only_their_own_folder_names(tmp_path):
+    """Saving and pruning remove only ``step-NNNNNN`` and ``.tmp-``/``.trash-`` folders, and only
+    those are read back: a user's ``step-000001-notes/`` survives, a copied ``step-best/`` with
+    its marker is neither loaded nor a crash."""
+    root = tmp_path / "checkpoints"
+    notes = root / "step-000001-notes"
+    notes.mkdir(parents=True)
+    (notes / "notes.txt").write_text("mine\n")
+    leftover = root / ".tmp-step-000003"
+    leftover.mkdir()
+    for step in (1, 2):
+        checkpoint.save(tmp_path, step, {"actor": {"w": torch.full((2,), float(step))}},
+                        {"step": step}, keep=1)
+    shutil.copytree(root / "step-000002", root / "step-best")
+    checkpoint.save(tmp_path, 3, {"actor": {"w": torch.zeros(2)}}, {"step": 3}, keep=1)
+    assert (notes / "notes.txt").read_text() == "mine\n"
+    assert sorted(p.name for p in root.iterdir()) == ["step-000001-notes", "step-000003", "step-best"]
+    assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-000003"]
+
+
+@pytest.mark.parametrize("name", ["state.pt", "actor.safetensors"])
+def test_a_checkpoint_file_that_matches_its_manifest_but_does_not_load_is_one_line(name, tmp_path):
+    """A file written corrupt (its manifest computed over the corrupt bytes) passes `verify`;
+    loading it is one `UserError` that says what to do, not a pickle or safetensors traceback."""
+    path = checkpoint.save(tmp_path, 2, {"actor": {"weight": torch.zeros(1, 2)}}, {"step": 2}, keep=2)
+    (path / name).write_bytes(os.urandom(1000))
+    (path / checkpoint.MANIFEST).unlink()
+    checkpoint._seal(path, 2)          # the manifest now matches the corrupt file
+    assert checkpoint.verify(path) is None
+    with pytest.raises(UserError, match=rf"{path}: {name} does not load .*move that folder out"):
+        checkpoint.load(path, {"actor": torch.nn.Linear(2, 1, bias=False)})

@@ -68,6 +68,12 @@ def world(tmp_path, monkeypatch):
     fake_run(tmp_path / "old_run")
     (tmp_path / "run_link").symlink_to(tmp_path / "old_run")
     fake_run(tmp_path / "run_plus", "notes.txt")
+    for name, inner in (("run_final_note", "final/notes.txt"), ("run_samples_note", "samples/mine.md"),
+                        ("run_ckpt_copy", "checkpoints/step-000001-best/state.pt"),
+                        ("run_ckpt_note", "checkpoints/step-000001/notes.txt")):
+        fake_run(tmp_path / name)
+        (tmp_path / name / inner).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name / inner).write_text("the user's\n")
     (tmp_path / "rm_out").mkdir()
     fake_run(tmp_path / "rm_out", kind="reward_model")
     (tmp_path / "no_marker").mkdir()
@@ -103,6 +109,13 @@ REFUSED = {
     "symlink-to-run": ("run_link", ["--overwrite"], ["symbolic link"]),
     "a-file": ("a_file", ["--overwrite"], ["is a file"]),
     "run-with-foreign-file": ("run_plus", ["--overwrite"], ["notes.txt", "does not write"]),
+    # inside the folders only rlpipe writes, one level down and in a checkpoint's own folder
+    "file-in-final": ("run_final_note", ["--overwrite"], ["final/notes.txt", "does not write"]),
+    "file-in-samples": ("run_samples_note", ["--overwrite"], ["samples/mine.md"]),
+    "copied-checkpoint": ("run_ckpt_copy", ["--overwrite"], ["checkpoints/step-000001-best/"]),
+    "copied-checkpoint-resume": ("run_ckpt_copy", ["--resume"], ["checkpoints/step-000001-best/"]),
+    "file-in-a-checkpoint": ("run_ckpt_note", ["--overwrite"],
+                             ["checkpoints/step-000001/notes.txt"]),
     "reward-model-output": ("rm_out", ["--overwrite"], ["marker says 'reward_model'"]),
     "run-without-marker": ("no_marker", ["--overwrite"], ["no .rlpipe-run marker"]),
     "earlier-run-no-flag": ("old_run", [], ["earlier run directory", "--overwrite", "--resume"]),
