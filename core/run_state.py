@@ -117,6 +117,11 @@ class RunState:
         if skipped and self.dist.is_main:
             print(f"warning: skipping damaged checkpoint(s) ({damaged}); resuming from {path.name}",
                   file=sys.stderr)
+        metrics = self.run_dir / "metrics.jsonl"
+        if path is None and self.dist.is_main and metrics.is_file() and metrics.stat().st_size:
+            print(f"warning: no checkpoint in {self.run_dir / 'checkpoints'} (checkpoint.every: "
+                  f"{self.cfg.checkpoint.every}); starting again at step 1, without the metric "
+                  f"rows written so far", file=sys.stderr)
         if path is not None:
             state = self._load_checkpoint(path)
             if int(state["step"]) > self.cfg.run.steps:

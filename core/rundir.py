@@ -289,12 +289,17 @@ def resume_changes(out: Path, new: dict, key: str = "run.output_dir") -> dict[st
     """The changes from ``out/config.yaml`` to ``new``; refuses those a checkpoint cannot follow."""
     import yaml
 
+    file = out / "config.yaml"
     try:
-        saved = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))
+        saved = yaml.safe_load(file.read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):
-        return {}
-    changes = config_changes(saved if isinstance(saved, dict) else {},
-                             yaml.safe_load(yaml.safe_dump(new, sort_keys=False)))
+        saved = None
+    if not isinstance(saved, dict):
+        why = "does not read as a mapping" if file.is_file() else "is missing"
+        raise UserError(f"{key}: cannot resume {out}: its config.yaml {why}, so the settings its "
+                        f"checkpoints depend on cannot be checked; restore it, or start a new "
+                        f"run elsewhere")
+    changes = config_changes(saved, yaml.safe_load(yaml.safe_dump(new, sort_keys=False)))
     fixed = [k for k in changes if FIXED.match(k)]
     if fixed:
         raise UserError(f"{key}: cannot resume {out} with changed {', '.join(fixed)} (the run's "

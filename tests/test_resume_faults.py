@@ -230,6 +230,35 @@ def test_no_intact_checkpoint_is_one_line_and_changes_nothing(tmp_path, harness)
     assert harness.snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_resume_without_a_readable_config_yaml_is_refused(damage, tmp_path, harness):
+    """Its config.yaml is what the refused settings (seed, LoRA, prompts, ...) are checked
+    against: without it a resume would follow the checkpoints with unchecked settings."""
+    run_dir = tmp_path / "run"
+    train(run_dir, "checkpoint.every=1", "run.steps=1")
+    if damage == "missing":
+        (run_dir / "config.yaml").unlink()
+    else:
+        (run_dir / "config.yaml").write_text("x: [\n")
+    before = harness.snapshot(tmp_path)
+    result = cli("run", TINY, f"run.output_dir={run_dir}", *FAST, "run.seed=5", "--resume")
+    harness.error(result, "cannot resume", "config.yaml",
+                  "is missing" if damage == "missing" else "does not read as a mapping")
+    assert harness.snapshot(tmp_path) == before
+
+
+def test_resume_without_any_checkpoint_says_it_starts_again(tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, "checkpoint.every=1", "run.steps=2")
+    shutil.rmtree(run_dir / "checkpoints")
+    result = cli("run", TINY, f"run.output_dir={run_dir}", *FAST, "checkpoint.every=1", "--resume")
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "no checkpoint in" in warnings[0]
+    assert "starting again at step 1" in warnings[0]
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3]
+
+
 # ---- a full disk --------------------------------------------------------------------------------
 
 def enospc(*args, **kwargs):
