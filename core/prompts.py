@@ -107,16 +107,36 @@ def _read_local(path: Path, split: str, key: str, datasets):
     if path.stat().st_size == 0:
         raise UserError(f"{key}: {path} is empty (no rows)")
     if suffix != ".parquet":  # pyarrow reads bad UTF-8 lazily and fails later, without a line
-        from rlpipe.core.data import read_text
-
         try:
-            read_text(path)
+            _check_text(path, suffix)
         except UserError as exc:
             raise UserError(f"{key}: {exc}") from None
     try:
         return datasets.load_dataset(FORMATS[suffix], data_files=str(path), split="train")
     except Exception as exc:  # noqa: BLE001 - pyarrow/pandas errors: name the file (and line)
         raise UserError(f"{key}: {_where_broken(path, exc)}") from None
+
+
+def _check_text(path: Path, suffix: str) -> None:
+    """Read ``path`` once in Python first: bad UTF-8, and JSON that Python cannot parse (pyarrow's
+    reader crashes the process on JSON nested some 20 000 deep), are a `UserError` naming the
+    file (and line)."""
+    import json
+
+    from rlpipe.core.data import read_jsonl, read_text
+
+    text = read_text(path)
+    if suffix == ".json":
+        try:
+            json.loads(text)
+            return
+        except RecursionError:
+            raise UserError(f"{path}: JSON nested too deep to read") from None
+        except ValueError:
+            pass   # JSON Lines in a .json file, or broken: the line reader says which
+    if suffix in (".json", ".jsonl"):
+        for _ in read_jsonl(path):
+            pass
 
 
 def _where_broken(path: Path, exc: Exception) -> str:

@@ -154,6 +154,13 @@ DATA = {  # id: (file name, bytes, arguments, fragments)
     "ptx": ("ptx.txt", NOT_UTF8, lambda f, t: ["ptx.coef=0.1", f"ptx.data={f}"], ["ptx.txt:2: not UTF-8"]),
     "prompts nesting too deep": ("deep.jsonl", b'{"prompt": ' + b"[" * 100000 + b"}\n",
                                  lambda f, t: [f"data.prompts={f}"], ["deep.jsonl:1: unreadable JSON"]),
+    # valid JSON nested 20 000 deep: pyarrow's reader crashed the process (SIGSEGV) on it
+    "valid JSON Lines nested too deep": (
+        "deep2.jsonl", b'{"prompt": "x", "m": ' + b"[" * 20000 + b"]" * 20000 + b"}\n",
+        lambda f, t: [f"data.prompts={f}"], ["deep2.jsonl:1: unreadable JSON"]),
+    "valid .json nested too deep": (
+        "deep.json", b'{"prompt": "x", "m": ' + b"[" * 20000 + b"]" * 20000 + b"}",
+        lambda f, t: [f"eval.prompts={f}"], ["deep.json: JSON nested too deep"]),
 }
 
 
