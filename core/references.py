@@ -119,6 +119,9 @@ def load_file(group: str, path: Path, function: str) -> registry.Plugin:
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise UserError(f"reward file not found: {path}")
+    if path.suffix != ".py":   # importlib has no loader for other names
+        raise UserError(f"reward file {path} is not a Python file: `path` names a .py file that "
+                        f"defines {function!r}")
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()[:12]
     spec = ReferenceSpec(group, f"{path}:{function}", f"{path}:{function}", "file sha256", digest)

@@ -113,6 +113,12 @@ def test_bad_reward_reference_is_one_line(tmp_path, reward, source, message):
         load_config(write_config(tmp_path, [reward]))
 
 
+def test_a_reward_path_that_is_not_a_python_file_is_one_line(tmp_path):
+    (tmp_path / "prompts.txt").write_text("the cat\n")   # importlib found no loader for it
+    with pytest.raises(UserError, match=r"^reward file .*prompts\.txt is not a Python file"):
+        load_config(write_config(tmp_path, [{"path": "prompts.txt", "function": "f"}]))
+
+
 def test_bad_references_on_the_command_line_exit_2(tmp_path, harness):
     config = write_config(tmp_path, [{"name": "no_such_pkg_x.rewards:brevity"}])
     result = harness.run(["config", config])
