@@ -241,6 +241,18 @@ def test_bad_inputs(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_train_rm_that_diverges_saves_nothing(tmp_path):
+    """At a learning rate of 1e30 the first step makes every weight inf or NaN: the next loss is
+    not finite and train-rm stops on one line, without saving a NaN model as a reward model."""
+    model_folder(tmp_path / "model")
+    write_pairs(tmp_path / "pairs.jsonl", n=64)
+    config = str(rm_config(tmp_path, tmp_path / "out", epochs=1))
+    line = one_line_error(CliRunner().invoke(main, ["train-rm", config, "train.lr=1e30",
+                                                    "--no-progress"]))
+    assert "train-rm: training diverged" in line and "lower train.lr (now 1e+30)" in line
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
 def test_lora_train_rm_saves_merged_folder(tmp_path):
     """LoRA adapters + trained head are merged into a copy; the folder scores like the trained model."""
     model_folder(tmp_path / "model")

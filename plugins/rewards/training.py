@@ -203,8 +203,12 @@ class RewardModelTrainer:
         loss = bradley_terry_loss(chosen, rejected, t.margin)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if t.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm or math.inf)
+        if not (torch.isfinite(loss) and torch.isfinite(norm)):   # never save a NaN model
+            raise UserError(f"train-rm: training diverged (loss {loss.item():.4g}, gradient norm "
+                            f"{norm.item():.4g}); lower train.lr (now {t.lr:g})"
+                            f"{'' if t.max_grad_norm else ' or set train.max_grad_norm'}; "
+                            f"no model was saved")
         self.optimizer.step()
         return loss.item(), (chosen > rejected).float().mean().item()
 
