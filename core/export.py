@@ -107,9 +107,12 @@ def export(run_dir: Path, out: Path, step: int | None = None, merge: bool = True
 
     run_dir = Path(run_dir)
     path = find_checkpoint(run_dir, step)
-    out = _check_out(out)
     cfg = load_config(run_dir / "config.yaml")
     lora = cfg.models.actor.lora is not None
+    if not (lora or merge):
+        raise UserError(f"--adapter: {run_dir}'s actor has no LoRA adapter (models.actor.lora is "
+                        f"null); export without --adapter writes the full model")
+    out = _check_out(out)
     saved = path / POLICY
     if saved.is_dir() and not (lora and merge):  # the checkpoint's own folder is the answer
         shutil.copytree(saved, out, dirs_exist_ok=True)

@@ -83,6 +83,9 @@ def test_export_errors_are_one_line(full_run, tmp_path):
     assert "not an empty directory" in one_error_line(run_cli("export", run_dir, tmp_path / "full"))
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
     assert "not an rlpipe run directory" in one_error_line(run_cli("export", tmp_path, tmp_path / "y"))
+    assert "actor has no LoRA adapter" in one_error_line(
+        run_cli("export", run_dir, tmp_path / "z", "--adapter"))
+    assert not (tmp_path / "z").exists()
 
 
 def test_export_without_checkpoints_says_so(tmp_path):
