@@ -37,6 +37,8 @@ from torch import nn
 from rlpipe.core.errors import UserError, describe
 
 GROUPS = ("collectors", "rewards", "advantages", "losses", "health")
+SINGULAR = {"collectors": "collector", "rewards": "reward", "advantages": "advantage",
+            "losses": "loss", "health": "health rule"}
 BUILTIN_DIST = "rlpipe"
 DISABLE_ENV = "RLPIPE_DISABLE_PLUGIN_AUTOLOAD"
 
@@ -195,11 +197,11 @@ def resolve(group: str, name: str) -> PluginSpec:
     found = find(group)
     if name not in found:
         available = ", ".join(found) or "none installed"
-        raise PluginError(f"unknown {group[:-1]} plugin {name!r}; available: {available}")
+        raise PluginError(f"unknown {SINGULAR[group]} plugin {name!r}; available: {available}")
     specs = found[name]
     if len(specs) > 1:
         owners = ", ".join(s.label for s in specs)
-        raise PluginError(f"{group[:-1]} plugin {name!r} is registered more than once: {owners}; "
+        raise PluginError(f"{SINGULAR[group]} plugin {name!r} is registered more than once: {owners}; "
                           f"uninstall one of them")
     return specs[0]
 
