@@ -44,11 +44,57 @@ def _user_errors(command):
     return click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")(wrapper)
 
 
+class _UsageLine(click.ClickException):
+    """A command-line usage mistake (unknown option or command, missing argument) as one
+    ``error:`` line, exit status 2, like every other user mistake."""
+    exit_code = 2
+
+    def show(self, file=None):
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def _one_line(error: click.UsageError) -> _UsageLine:
+    where = error.ctx.command_path if error.ctx is not None else "rlpipe"
+    message = " ".join(error.format_message().split()).rstrip(".")
+    return _UsageLine(f"{where}: {message} (see {where} --help)")
+
+
+_HELP_ONLY = getattr(click.exceptions, "NoArgsIsHelpError", ())   # bare `rlpipe`: the help
+
+
+class _Command(click.Command):
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except _HELP_ONLY:
+            raise
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+
+class _Group(click.Group):
+    command_class = _Command
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except _HELP_ONLY:
+            raise
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+
 _config_arg = click.argument("config_path", metavar="CONFIG")
 _overrides_arg = click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="rlpipe")
 def main():
     """rlpipe: PPO for language models from a reward signal (RLHF)."""

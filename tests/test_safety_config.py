@@ -127,7 +127,7 @@ def cfg_file(tmp_path_factory):
 
 def one_error(args) -> str:
     """Run the CLI in-process; exit 2, only SystemExit, exactly one stderr line: ``error: ...``."""
-    result = CliRunner().invoke(main, [str(a) for a in args])
+    result = CliRunner().invoke(main, [str(a) for a in args], prog_name="rlpipe")
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
     assert type(result.exception) is SystemExit, result.exception
     lines = result.stderr.strip().splitlines()
@@ -352,3 +352,23 @@ def test_real_process_prints_one_line(harness, cfg_file, tmp_path, args, fragmen
 def test_debug_shows_the_traceback(harness, cfg_file, tmp_path):
     result = harness.run(["config", cfg_file, "train.lr=-1", "--debug"], cwd=tmp_path)
     assert result.returncode != 0 and "Traceback" in result.stderr and "UserError" in result.stderr
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["run", "CFG", "--frob"], ["rlpipe run: No such option '--frob'", "(see rlpipe run --help)"]),
+    (["run", "CFG", "--overwrit"], ["Did you mean '--overwrite'?"]),
+    (["run"], ["rlpipe run: Missing argument 'CONFIG'"]),
+    (["frobnicate"], ["rlpipe: No such command 'frobnicate'", "(see rlpipe --help)"]),
+    (["export", "RUN", "OUT", "--step", "abc"], ["rlpipe export: Invalid value for '--step'"]),
+    (["plugins", "extra"], ["rlpipe plugins: Got unexpected extra argument (extra)"]),
+], ids=["unknown-option", "misspelt-option", "missing-argument", "unknown-command", "bad-type",
+        "extra-argument"])
+def test_command_line_usage_mistakes_are_one_error_line(cfg_file, args, fragments):
+    """Click's own usage errors (usage, hint, blank line, ``Error: ...``) follow the same rule."""
+    line = one_error([cfg_file if a == "CFG" else a for a in args])
+    assert all(f in line for f in fragments), line
+
+
+def test_bare_rlpipe_still_shows_the_help():
+    result = CliRunner().invoke(main, [], prog_name="rlpipe")
+    assert "Usage: rlpipe" in result.output and "Commands:" in result.output
