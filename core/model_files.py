@@ -88,6 +88,19 @@ def check_weights(path: Path) -> None:
         check_safetensors(file)
 
 
+def check_finite(model, path: Path) -> None:
+    """Loaded weights that hold NaN or inf are one line naming the first such tensor: they
+    would turn every log-prob, value and reward into NaN a step later, far from the cause."""
+    import torch
+
+    with torch.no_grad():
+        bad = next((n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())),
+                   None)
+    if bad is not None:
+        raise UserError(f"{path}: the weights hold NaN or inf (first in {bad}); was the model "
+                        f"saved from a diverged run?")
+
+
 @contextlib.contextmanager
 def loading(path: Path, what: str):
     """Whatever a transformers load raises becomes one `UserError` line naming ``path``."""

@@ -30,7 +30,8 @@ from torch import nn
 
 from rlpipe.core import packing, prefix
 from rlpipe.core.errors import UserError
-from rlpipe.core.model_files import check_model_dir, check_remote_code, check_weights, loading
+from rlpipe.core.model_files import (check_finite, check_model_dir, check_remote_code,
+                                     check_weights, loading)
 from rlpipe.core.ops import pad_positions, token_logprobs, trim_padding
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,7 +84,9 @@ def _from_folder(auto_class, path, init: str, trust_remote_code: bool, setting: 
             config = AutoConfig.from_pretrained(str(path), **remote)
             return auto_class.from_config(config, **kwargs, **remote)
         check_weights(path)
-        return auto_class.from_pretrained(str(path), **kwargs, **remote)
+        model = auto_class.from_pretrained(str(path), **kwargs, **remote)
+    check_finite(model, path)
+    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -51,6 +51,16 @@ def bad_header(folder: Path):
     file.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + file.read_bytes()[24:])
 
 
+def nan_weights(folder: Path):
+    from safetensors.torch import load_file, save_file
+
+    file = folder / "model.safetensors"
+    tensors = load_file(str(file))
+    name = sorted(tensors)[-1]
+    tensors[name][0] = float("nan")
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
 def write(name: str, data: bytes):
     return lambda folder: (folder / name).write_bytes(data)
 
@@ -61,6 +71,7 @@ BROKEN = {  # id: (change to the model folder, fragments of the error line)
     "corrupt safetensors header": (bad_header, ["model.safetensors: not a valid safetensors file"]),
     "tiny safetensors": (write("model.safetensors", b"\x00\x01"), ["not a valid safetensors file"]),
     "no weights": (lambda f: (f / "model.safetensors").unlink(), ["cannot load the model"]),
+    "NaN in the weights": (nan_weights, ["the weights hold NaN or inf (first in "]),
     "config.json is a list": (write("config.json", b"[1, 2]"),
                               ["config.json: expected a JSON object, got a list"]),
     "config.json without model_type": (edit_json("config.json", lambda d: {"hidden_size": 8}),
@@ -128,6 +139,10 @@ PLACES = {  # id: (arguments after the folder is made, change, fragments)
         lambda m, t: ["run", TINY / "config.yaml", f"rewards=[{{name: reward_model, path: {m}}}]",
                       f"run.output_dir={t / 'run'}", *SMALL],
         BROKEN["auto_map in config.json"][0], ["the reward_model argument trust_remote_code"]),
+    "reward model is a causal LM": (
+        lambda m, t: ["run", TINY / "config.yaml", f"rewards=[{{name: reward_model, path: {m}}}]",
+                      f"run.output_dir={t / 'run'}", *SMALL],
+        lambda folder: None, ["is a LlamaForCausalLM, not a sequence classifier"]),
     "train-rm truncated": (
         lambda m, t: ["train-rm", ROOT / "examples/reward_model/config.yaml", f"model.path={m}",
                       "model.init=pretrained", f"output_dir={t / 'rm'}", "--no-progress"],

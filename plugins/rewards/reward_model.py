@@ -28,7 +28,7 @@ from torch import nn
 from rlpipe.core.context import RunContext
 from rlpipe.core.errors import UserError
 from rlpipe.core.hub import ModelPath, find_model
-from rlpipe.core.model_files import check_model_dir, check_weights, loading
+from rlpipe.core.model_files import check_finite, check_model_dir, check_weights, loading
 from rlpipe.core.models import load_tokenizer
 from rlpipe.core.rewards import batch_texts
 from rlpipe.core.schema import PROMPT_TEXT, RESPONSE_TEXT
@@ -93,11 +93,17 @@ def load_classifier(path: Path, dtype: torch.dtype = torch.float32, trust_remote
     check_weights(path)
     remote = {"trust_remote_code": trust_remote_code}
     with loading(path, "the reward model"):
-        labels = AutoConfig.from_pretrained(str(path), **remote).num_labels
-        if labels != 1:
-            raise UserError(f"reward_model: {path}: the classifier has num_labels={labels}; a reward "
-                            f"model needs exactly one output (train one with `rlpipe train-rm`)")
+        config = AutoConfig.from_pretrained(str(path), **remote)
+        kinds = config.architectures or []
+        if kinds and not any("SequenceClassification" in k for k in kinds):
+            raise UserError(f"reward_model: {path} is a {', '.join(kinds)}, not a sequence "
+                            f"classifier with one output (train one with `rlpipe train-rm`)")
+        if config.num_labels != 1:
+            raise UserError(f"reward_model: {path}: the classifier has num_labels="
+                            f"{config.num_labels}; a reward model needs exactly one output (train "
+                            f"one with `rlpipe train-rm`)")
         model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype, **remote)
+    check_finite(model, path)
     return model.requires_grad_(False).eval()
 
 
