@@ -169,9 +169,11 @@ def config_cmd(config_path, overrides):
     """Check CONFIG and print it resolved: defaults filled in, overrides applied, paths absolute."""
     import yaml
 
+    from rlpipe.core import compose
     from rlpipe.core.config import load_config
 
-    click.echo(yaml.safe_dump(load_config(config_path, overrides).to_dict(), sort_keys=False), nl=False)
+    cfg = compose.apply(load_config(config_path, overrides))  # what `rlpipe run` would refuse too
+    click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
 
 
 @main.command()

@@ -17,7 +17,8 @@ what needs several keys, or a plugin's signature, or the model's ``config.json``
   ``collector.score_truncated: true`` (else every weight carries the truncation's bias);
   ``rollout_correction.old_log_prob: sampling`` needs mode none (the other modes measure the
   engine against a trainer forward, or take the engine's log-probs);
-- ``models.autocast`` and ``distributed.bf16`` are two ways to compute in bf16: one at a time.
+- ``models.autocast`` and ``distributed.bf16`` are two ways to compute in bf16: one at a time;
+- ``eval.*`` settings without ``eval.prompts`` are a warning (nothing is evaluated).
 """
 
 from __future__ import annotations
@@ -60,12 +61,28 @@ def check_config(cfg, conv) -> None:
         raise UserError("models.autocast: distributed.bf16 already computes in bf16 (FSDP mixed "
                         "precision); set one of the two")
     check_critic_start(cfg)
+    _warn_unused_eval(cfg.eval)
     check_batches(cfg)
     check_context(cfg)
     check_rollout_correction(cfg)
     from rlpipe.core.health import load_rules  # rule names and parameters, kept for the run
 
     cfg.health.resolved = load_rules(cfg.health, conv)
+
+
+def _warn_unused_eval(section) -> None:
+    """``eval.*`` settings without ``eval.prompts`` do nothing: one warning line says so."""
+    import dataclasses
+    import sys
+
+    if section.prompts is not None or os.environ.get("RANK", "0") != "0":
+        return
+    default = type(section)()
+    unused = [f"eval.{f.name}" for f in dataclasses.fields(section)
+              if getattr(section, f.name) != getattr(default, f.name)]
+    if unused:
+        print(f"warning: {', '.join(unused)} set without eval.prompts: no evaluation runs",
+              file=sys.stderr)
 
 
 def resolve_plugin(section, group: str) -> registry.Plugin:

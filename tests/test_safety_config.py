@@ -372,3 +372,16 @@ def test_command_line_usage_mistakes_are_one_error_line(cfg_file, args, fragment
 def test_bare_rlpipe_still_shows_the_help():
     result = CliRunner().invoke(main, [], prog_name="rlpipe")
     assert "Usage: rlpipe" in result.output and "Commands:" in result.output
+
+
+def test_rlpipe_config_refuses_what_run_refuses(cfg_file):
+    assert "list at least one reward plugin" in one_error(["config", cfg_file, "rewards=[]"])
+
+
+def test_eval_settings_without_eval_prompts_warn(cfg_file):
+    result = CliRunner().invoke(main, ["config", str(cfg_file), "eval.every=2", "eval.batch_size=8"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        "warning: eval.every, eval.batch_size set without eval.prompts: no evaluation runs"]
+    quiet = CliRunner().invoke(main, ["config", str(cfg_file)])
+    assert quiet.exit_code == 0 and quiet.stderr == ""
