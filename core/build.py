@@ -91,9 +91,10 @@ def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
     return run_dir
 
 
-def apply_lora(model: torch.nn.Module, lora, task_type: str | None):
+def apply_lora(model: torch.nn.Module, lora, task_type: str | None, key: str):
     """Wrap ``model`` with peft LoRA adapters; the base weights are frozen. With
-    ``lora.merged_passes`` its no-grad passes may run on merged weights (`rlpipe.core.lora`)."""
+    ``lora.merged_passes`` its no-grad passes may run on merged weights (`rlpipe.core.lora`).
+    ``key``: the config key errors name (``models.actor.lora``)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
@@ -103,7 +104,7 @@ def apply_lora(model: torch.nn.Module, lora, task_type: str | None):
             warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
             model = get_peft_model(model, config)
     except ValueError as exc:
-        raise UserError(f"lora: {exc}") from exc
+        raise UserError(f"{key}: {' '.join(str(exc).split())}") from exc
     return allow_merging(model) if lora.merged_passes else model
 
 
@@ -119,7 +120,7 @@ def merged_lora_copy(actor_cfg, state: dict[str, torch.Tensor]) -> torch.nn.Modu
                                         trust_remote_code=actor_cfg.trust_remote_code)
     base = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[actor_cfg.dtype],
                                             trust_remote_code=actor_cfg.trust_remote_code)
-    model = apply_lora(base, actor_cfg.lora, "CAUSAL_LM")
+    model = apply_lora(base, actor_cfg.lora, "CAUSAL_LM", "models.actor.lora")
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {n for n in missing if n.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
     if unexpected or set(missing) - tied:
@@ -146,11 +147,12 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
             critic = ValueModel.from_pretrained(critic_cfg.path, critic_cfg.init,
                                                 critic_cfg.trust_remote_code)
         if critic_cfg.lora is not None:
-            critic.backbone = apply_lora(critic.backbone, critic_cfg.lora, None)
+            critic.backbone = apply_lora(critic.backbone, critic_cfg.lora, None,
+                                         "models.critic.lora")
         critic = critic.to(device).eval()
     reference = frozen_copy(actor) if actor_cfg.lora is None else None
     if actor_cfg.lora is not None:
-        actor = apply_lora(actor, actor_cfg.lora, "CAUSAL_LM").eval()
+        actor = apply_lora(actor, actor_cfg.lora, "CAUSAL_LM", "models.actor.lora").eval()
     if need_critic and critic_cfg.shared_backbone:
         if critic_cfg.path is not None or critic_cfg.lora is not None:
             raise UserError("models.critic.shared_backbone: the critic is the actor's backbone; "

@@ -81,7 +81,7 @@ def _rebuilt_actor(cfg, path: Path):
     actor = load_causal_lm(actor_cfg.path, actor_cfg.init, actor_cfg.dtype,
                            actor_cfg.trust_remote_code)
     if actor_cfg.lora is not None:
-        actor = build.apply_lora(actor, actor_cfg.lora, "CAUSAL_LM")
+        actor = build.apply_lora(actor, actor_cfg.lora, "CAUSAL_LM", "models.actor.lora")
     if checkpoint.is_sharded(path):
         import torch.distributed.checkpoint as dcp
 

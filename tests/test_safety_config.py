@@ -385,3 +385,13 @@ def test_eval_settings_without_eval_prompts_warn(cfg_file):
         "warning: eval.every, eval.batch_size set without eval.prompts: no evaluation runs"]
     quiet = CliRunner().invoke(main, ["config", str(cfg_file)])
     assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
+def test_a_lora_target_the_model_lacks_names_the_key(cfg_file, tmp_path):
+    result = CliRunner().invoke(main, ["run", str(cfg_file), f"run.output_dir={tmp_path / 'run'}",
+                                       "models.critic.lora.r=2", "--no-progress",
+                                       "models.critic.lora.target_modules=[nosuch]"])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: models.critic.lora: Target modules")
+    assert "nosuch" in errors[0]

@@ -160,7 +160,7 @@ def build_reward_model(cfg: RMModelConfig, device: torch.device):
                 str(cfg.path), num_labels=1, ignore_mismatched_sizes=True, **remote)
     model.config.pad_token_id = tokenizer.pad_token_id  # the classifier reads the last non-pad token
     if cfg.lora is not None:
-        model = apply_lora(model, cfg.lora, "SEQ_CLS")  # peft keeps the head in modules_to_save
+        model = apply_lora(model, cfg.lora, "SEQ_CLS", "model.lora")  # peft keeps the head in modules_to_save
     return tokenizer, model.to(device)
 
 
