@@ -33,15 +33,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, key: str = "run.device") -> torch.device:
+    """``auto`` (CUDA where there is one), or the device ``name`` if this machine has it;
+    ``key`` is the setting an error names."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError as exc:
-        raise UserError(f"run.device: {exc}") from exc
+        raise UserError(f"{key}: {exc}") from exc
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"run.device: {name!r} requested but CUDA is not available")
+        raise UserError(f"{key}: {name!r} requested but CUDA is not available")
     return device
 
 

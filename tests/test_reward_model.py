@@ -238,6 +238,9 @@ def test_bad_inputs(tmp_path):
     assert "pairs.jsonl:1: invalid JSON" in one_line_error(runner.invoke(main, ["train-rm", config]))
     assert "model.path: file not found" in one_line_error(
         runner.invoke(main, ["train-rm", config, "model.path=nowhere"]))
+    if not torch.cuda.is_available():  # the setting train-rm reads, not `run.device`
+        assert "train.device: 'cuda' requested but CUDA is not available" in one_line_error(
+            runner.invoke(main, ["train-rm", config, "train.device=cuda"]))
     assert not (tmp_path / "out").exists()
 
 

@@ -179,7 +179,7 @@ class RewardModelTrainer:
         self.cfg, self.progress = cfg, progress
         out, found = _check_output(cfg, overwrite)  # before anything is loaded
         seed_everything(cfg.train.seed)
-        self.device = resolve_device(cfg.train.device)
+        self.device = resolve_device(cfg.train.device, "train.device")
         pairs = load_pairs(cfg.data.pairs)
         self.train_pairs, self.eval_pairs = split_pairs(pairs, cfg.data.eval_fraction, cfg.train.seed)
         self.tokenizer, self.model = build_reward_model(cfg.model, self.device)
