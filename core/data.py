@@ -74,6 +74,9 @@ def load_prompts(path: Path, field: str = "prompt") -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"prompt file not found: {path}")
+    if path.suffix not in (".txt", ".jsonl"):   # a .csv read as lines would train on its header
+        raise UserError(f"{path}: unsupported file type {path.suffix or '(none)'!r}; use .txt "
+                        f"(one text per line) or .jsonl (a {field!r} field per line)")
     if path.suffix == ".jsonl":
         prompts = []
         for n, row in read_jsonl(path):

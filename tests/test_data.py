@@ -38,6 +38,7 @@ def test_jsonl_prompts_read_the_field(tmp_path):
     ("p.txt", b"ok\nab\xffc\n", "p.txt:2: not UTF-8 text (byte 0xff at column 3)"),
     ("p.jsonl", b'{"prompt": "a"}\n{"prompt": "\xc3"}\n', "p.jsonl:2: not UTF-8 text (byte 0xc3 at column 13)"),
     ("p.txt", "\n \n", "p.txt: no texts found"),
+    ("p.csv", "text\nhello\n", "p.csv: unsupported file type '.csv'; use .txt"),  # not its header
 ])
 def test_bad_files_name_file_and_line(tmp_path, name, data, fragment):
     path = write(tmp_path, name, data)
