@@ -109,4 +109,8 @@ def loading(path: Path, what: str):
     except (UserError, KeyboardInterrupt):
         raise
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad folder
+        if "ignore_mismatched_sizes" in str(exc):   # its text points at a report of its own
+            raise UserError(f"{path}: cannot load {what}: the weights' shapes differ from its "
+                            f"config.json (an edited vocab_size or hidden_size?); transformers' "
+                            f"load report above lists each tensor") from exc
         raise UserError(f"{path}: cannot load {what}: {describe(exc)}") from exc

@@ -72,6 +72,8 @@ BROKEN = {  # id: (change to the model folder, fragments of the error line)
     "tiny safetensors": (write("model.safetensors", b"\x00\x01"), ["not a valid safetensors file"]),
     "no weights": (lambda f: (f / "model.safetensors").unlink(), ["cannot load the model"]),
     "NaN in the weights": (nan_weights, ["the weights hold NaN or inf (first in "]),
+    "vocab_size edited": (edit_json("config.json", lambda d: {**d, "vocab_size": 2 * d["vocab_size"]}),
+                          ["the weights' shapes differ from its config.json"]),
     "config.json is a list": (write("config.json", b"[1, 2]"),
                               ["config.json: expected a JSON object, got a list"]),
     "config.json without model_type": (edit_json("config.json", lambda d: {"hidden_size": 8}),
