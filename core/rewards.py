@@ -132,9 +132,11 @@ class RewardComposer(nn.Module):
             shape = tuple(part.shape) if isinstance(part, torch.Tensor) else type(part).__name__
             raise UserError(f"reward {label!r} returned {shape}; expected a tensor of shape "
                             f"({batch},){origin}")
+        finite_before = bool(torch.isfinite(part).all())
         part = part.to(device, torch.float32)
         if not torch.isfinite(part).all():
-            raise UserError(f"reward {label!r} returned NaN or inf for "
+            what = "NaN or inf" if not finite_before else "values beyond float32's range (|x| > 3.4e38)"
+            raise UserError(f"reward {label!r} returned {what} for "
                             f"{int((~torch.isfinite(part)).sum())} of {batch} samples{origin}")
         return part
 

@@ -206,6 +206,10 @@ def test_composer_errors_name_the_reward():
     with pytest.raises(UserError, match="reward 'bad' returned NaN"):
         RewardComposer([("bad", 1.0, Fixed([torch.tensor([0.0, float("nan")])]))])(
             TensorDict({}, batch_size=[2]))
+    with pytest.raises(UserError, match=r"reward 'big' returned values beyond float32's range .* "
+                                        r"for 1 of 2"):   # finite in float64, inf in float32
+        RewardComposer([("big", 1.0, Fixed([torch.tensor([0.0, 1e300], dtype=torch.float64)]))])(
+            TensorDict({}, batch_size=[2]))
     with pytest.raises(UserError, match=r"reward 'short' returned \(1,\)"):
         RewardComposer([("short", 1.0, Fixed([torch.zeros(1)]))])(TensorDict({}, batch_size=[2]))
     with pytest.raises(UserError, match="reward.clip must be > 0"):
