@@ -62,7 +62,9 @@ def _one_line(error: click.UsageError) -> _UsageLine:
 _HELP_ONLY = getattr(click.exceptions, "NoArgsIsHelpError", ())   # bare `rlpipe`: the help
 
 
-class _Command(click.Command):
+class _OneLineUsage:
+    """Mixed into rlpipe's commands: their usage errors are `_UsageLine`s."""
+
     def parse_args(self, ctx, args):
         try:
             return super().parse_args(ctx, args)
@@ -72,16 +74,12 @@ class _Command(click.Command):
             raise _one_line(exc) from None
 
 
-class _Group(click.Group):
+class _Command(_OneLineUsage, click.Command):
+    pass
+
+
+class _Group(_OneLineUsage, click.Group):
     command_class = _Command
-
-    def parse_args(self, ctx, args):
-        try:
-            return super().parse_args(ctx, args)
-        except _HELP_ONLY:
-            raise
-        except click.UsageError as exc:
-            raise _one_line(exc) from None
 
     def resolve_command(self, ctx, args):
         try:
