@@ -236,7 +236,7 @@ def load_sharded(path: Path, shards: dict) -> dict:
         reason = " ".join(str(exc).split())[:300]
         raise UserError(f"checkpoint {path} does not match this run ({reason}); was it written "
                         f"with another model or LoRA config?") from exc
-    return _unreadable(path, "state.pt", torch.load, Path(path) / "state.pt", weights_only=True)
+    return _saved_state(path)
 
 
 def load(path: Path, modules: dict) -> dict:
@@ -254,7 +254,19 @@ def load(path: Path, modules: dict) -> dict:
             raise UserError(f"checkpoint {file} does not match the model: unknown keys such as "
                             f"{sorted(unknown)[0]!r} (was it written with another config?)")
         load_full_state(module, saved)
-    return _unreadable(path, "state.pt", torch.load, path / "state.pt", weights_only=True)
+    return _saved_state(path)
+
+
+def _saved_state(path: Path) -> dict:
+    """``state.pt``, which must be the state of the step its folder is named after."""
+    state = _unreadable(path, "state.pt", torch.load, Path(path) / "state.pt", weights_only=True)
+    named = STEP.fullmatch(Path(path).name)
+    if named and (not isinstance(state, dict) or state.get("step") != int(named[1])):
+        held = state.get("step") if isinstance(state, dict) else type(state).__name__
+        raise UserError(f"checkpoint {path}: its state.pt holds step {held}, not "
+                        f"{int(named[1])}; move that folder out of the run directory to resume "
+                        f"from the checkpoint before it")
+    return state
 
 
 def _unreadable(path: Path, name: str, read, *args, **kwargs):

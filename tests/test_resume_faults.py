@@ -376,3 +376,17 @@ def test_a_checkpoint_file_that_matches_its_manifest_but_does_not_load_is_one_li
     assert checkpoint.verify(path) is None
     with pytest.raises(UserError, match=rf"{path}: {name} does not load .*move that folder out"):
         checkpoint.load(path, {"actor": torch.nn.Linear(2, 1, bias=False)})
+
+
+def test_a_checkpoint_holding_another_steps_state_is_one_line(tmp_path):
+    """Step 1's state.pt in step-000002 with a manifest made to match: the weights are step 2's,
+    the optimizer, RNG and data position step 1's. Loading refuses the mix."""
+    weights = {"actor": {"weight": torch.zeros(1, 2)}}
+    one = checkpoint.save(tmp_path, 1, weights, {"step": 1}, keep=2)
+    two = checkpoint.save(tmp_path, 2, weights, {"step": 2}, keep=2)
+    shutil.copy(one / "state.pt", two / "state.pt")
+    (two / checkpoint.MANIFEST).unlink()
+    checkpoint._seal(two, 2)
+    assert checkpoint.verify(two) is None
+    with pytest.raises(UserError, match=r"step-000002: its state.pt holds step 1, not 2"):
+        checkpoint.load(two, {"actor": torch.nn.Linear(2, 1, bias=False)})
