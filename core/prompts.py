@@ -125,18 +125,19 @@ def _check_text(path: Path, suffix: str) -> None:
 
     from rlpipe.core.data import read_jsonl, read_text
 
+    if suffix == ".jsonl":   # the line reader decodes too, naming a bad byte's line
+        for _ in read_jsonl(path):
+            pass
+        return
     text = read_text(path)
     if suffix == ".json":
         try:
             json.loads(text)
-            return
         except RecursionError:
             raise UserError(f"{path}: JSON nested too deep to read") from None
-        except ValueError:
-            pass   # JSON Lines in a .json file, or broken: the line reader says which
-    if suffix in (".json", ".jsonl"):
-        for _ in read_jsonl(path):
-            pass
+        except ValueError:   # JSON Lines in a .json file, or broken: the line reader says which
+            for _ in read_jsonl(path):
+                pass
 
 
 def _where_broken(path: Path, exc: Exception) -> str:
