@@ -9,15 +9,15 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # lazy: `import rlpipe` stays cheap (no torch import) for the CLI's --help
     if name in ("load_config", "Config"):
-        from rlpipe.core import config
+        from rlpipe.core.config import settings as config
 
         return getattr(config, name)
     if name == "UserError":  # what the Python API raises for a user mistake (the CLI: exit 2)
-        from rlpipe.core.errors import UserError
+        from rlpipe.core.base.errors import UserError
 
         return UserError
     if name in ("train", "Pipeline"):
-        from rlpipe.core import pipeline
+        from rlpipe.core.run import pipeline
 
         return getattr(pipeline, name)
     raise AttributeError(f"module 'rlpipe' has no attribute {name!r}")

@@ -21,14 +21,14 @@ def _user_errors(command):
 
     @functools.wraps(command)
     def wrapper(*args, debug: bool = False, **kwargs):
-        from rlpipe.core.errors import UserError
+        from rlpipe.core.base.errors import UserError
 
         try:
             return command(*args, **kwargs)
         except UserError as exc:
             if debug:
                 raise
-            from rlpipe.core.registry import PluginError
+            from rlpipe.core.contracts.registry import PluginError
 
             rank = os.environ.get("RANK", "0")
             message = " / ".join(line.strip() for line in str(exc).splitlines() if line.strip())
@@ -108,10 +108,10 @@ def main():
 @_user_errors
 def run(config_path, overrides, overwrite, no_progress, resume):
     """Train with CONFIG (YAML); KEY=VALUE pairs override it, e.g. run.steps=20."""
-    from rlpipe.core import distributed
-    from rlpipe.core.build import check_run_dir, finished_message
-    from rlpipe.core.config import load_config
-    from rlpipe.core.pipeline import Pipeline
+    from rlpipe.core.models import distributed
+    from rlpipe.core.run.build import check_run_dir, finished_message
+    from rlpipe.core.config.settings import load_config
+    from rlpipe.core.run.pipeline import Pipeline
 
     cfg = load_config(config_path, overrides)
     if os.environ.get("RANK", "0") == "0":  # rank 0 alone looks: the others would race its writes
@@ -122,7 +122,7 @@ def run(config_path, overrides, overwrite, no_progress, resume):
             click.echo(done)
         return
     if cfg.distributed.nproc * cfg.distributed.nnodes > 1 and not distributed.launched():
-        from rlpipe.core.launch import check_before_launch, launch
+        from rlpipe.core.run.launch import check_before_launch, launch
 
         check_before_launch(cfg)
         check_run_dir(cfg, overwrite, resume)  # user errors here, before any process starts
@@ -146,9 +146,10 @@ def run(config_path, overrides, overwrite, no_progress, resume):
         raise
     distributed.shutdown()
     if pipeline.stopped_by is None and (not distributed.launched() or os.environ.get("RANK") == "0"):
-        from rlpipe.core.console import final_summary
+        from rlpipe.core.observe.console import final_summary
+        from rlpipe.core.run.checkpoint import latest
 
-        click.echo("\n".join(final_summary(run_dir)))
+        click.echo("\n".join(final_summary(run_dir, latest(run_dir))))
     if distributed.launched():
         # Every file is written and the process group is gone. A worker still aborted now and
         # then in the interpreter's teardown ("terminate called without an active exception":
@@ -167,8 +168,8 @@ def config_cmd(config_path, overrides):
     """Check CONFIG and print it resolved: defaults filled in, overrides applied, paths absolute."""
     import yaml
 
-    from rlpipe.core import compose
-    from rlpipe.core.config import load_config
+    from rlpipe.core.config import compose
+    from rlpipe.core.config.settings import load_config
 
     cfg = compose.apply(load_config(config_path, overrides))  # what `rlpipe run` would refuse too
     click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
@@ -182,8 +183,9 @@ def check(config_path, overrides):
     """Mismatch preflight: build CONFIG's run, sample one batch, compare the engine's log-probs
     with the trainer's. Exit status 1 when they differ beyond run.preflight_max_kl or
     run.preflight_max_gap, 2 for a bad config (as every command)."""
-    from rlpipe.core.config import load_config
-    from rlpipe.core.preflight import PreflightFailed, check_config
+    from rlpipe.core.config.settings import load_config
+    from rlpipe.core.run.pipeline import check_config
+    from rlpipe.core.run.preflight import PreflightFailed
 
     cfg = load_config(config_path, overrides)
     try:
@@ -197,7 +199,7 @@ def check(config_path, overrides):
 @_user_errors
 def plugins():
     """List installed plugins: group, name, distribution, version and status."""
-    from rlpipe.core.registry import status_table
+    from rlpipe.core.contracts.registry import status_table
 
     rows = [(s.group, s.name, s.dist, s.version, status) for s, status in status_table()]
     header = ("group", "name", "distribution", "version", "status")
@@ -213,7 +215,7 @@ def report(run_dir):
     """Plot RUN_DIR's metrics.jsonl as PNGs in RUN_DIR/report/ and print a short summary."""
     import warnings
 
-    from rlpipe.core.report import summary, write_report
+    from rlpipe.core.observe.report import summary, write_report
 
     with warnings.catch_warnings(record=True) as caught:  # each on one line, once
         warnings.simplefilter("always")
@@ -232,7 +234,7 @@ def doctor(run_dir):
     """Check RUN_DIR's metrics against the health rules; exit 1 when one fired, 0 when none did."""
     from pathlib import Path
 
-    from rlpipe.core.health import doctor as examine_run
+    from rlpipe.core.observe.health import doctor as examine_run
 
     text, status = examine_run(Path(run_dir))
     click.echo(text)
@@ -247,8 +249,8 @@ def doctor(run_dir):
 @_user_errors
 def export(run_dir, out, step, adapter):
     """Write a checkpoint's policy to OUT as a save_pretrained folder (from_pretrained, or peft)."""
-    from rlpipe.core.console import quiet_libraries
-    from rlpipe.core.export import export as export_policy
+    from rlpipe.core.observe.console import quiet_libraries
+    from rlpipe.core.run.export import export as export_policy
 
     with quiet_libraries():
         path = export_policy(run_dir, out, step=step, merge=not adapter)

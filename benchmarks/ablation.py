@@ -8,7 +8,7 @@ alternating in one process, median phase times over each variant's steps after t
 - ``shared_prompts``: what sharing prompt tokens saves in a GRPO run: `models.shared_prefix`
   off, sharing only the prefix common to every row ("common prefix only", the previous release's
   sharing, reproduced by making every row its own prompt for
-  `rlpipe.core.prefix.distinct_prompts`: a patch in this script only), and the default (each
+  `rlpipe.core.models.prefix.distinct_prompts`: a patch in this script only), and the default (each
   distinct prompt run once for its samples, its own common prefix once).
 - ``packing``: rows with their padding (`models.packed=false`) and without (the default), on the
   quickstart's PPO config, whose reward model ``python examples/quickstart/run.py`` trains
@@ -51,9 +51,9 @@ def each_row_its_own_prompt(prompt_ids, prompt_mask):
 
 
 def run_variant(name: str, overrides: list, config: Path, steps: int, out: Path) -> dict:
-    from rlpipe.core import prefix
-    from rlpipe.core.config import load_config
-    from rlpipe.core.pipeline import Pipeline
+    from rlpipe.core.models import prefix
+    from rlpipe.core.config.settings import load_config
+    from rlpipe.core.run.pipeline import Pipeline
 
     real = prefix.distinct_prompts
     prefix.distinct_prompts = each_row_its_own_prompt if name == "common prefix only" else real

@@ -70,7 +70,7 @@ def replay(calls) -> tuple[float, float]:
 
 
 def update_step(model, prompt: int = 24, response: int = 33, rows: int = 8):
-    from rlpipe.core.ops import token_logprobs
+    from rlpipe.core.base.ops import token_logprobs
 
     ids = torch.randint(0, model.config.vocab_size, (rows, prompt + response),
                         generator=torch.Generator().manual_seed(0))
@@ -131,7 +131,7 @@ def main() -> None:
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from rlpipe.core.cpu_memory import keep_freed_memory
+    from rlpipe.core.models.cpu_memory import keep_freed_memory
 
     keep_freed_memory(True)  # as rlpipe runs
     bench = vs_trl.parse_args(["--model", "smollm2"])

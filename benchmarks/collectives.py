@@ -32,8 +32,8 @@ from tensordict import NonTensorStack, TensorDict
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, machine, now, write_json  # noqa: E402
 
-from rlpipe.core import schema as S  # noqa: E402
-from rlpipe.core.distributed import Dist, _pad, shard  # noqa: E402
+from rlpipe.core.base import schema as S  # noqa: E402
+from rlpipe.core.models.distributed import Dist, _pad, shard  # noqa: E402
 
 SHAPES = {"tiny": (8, 16, 24), "quickstart": (8, 64, 40), "long": (32, 512, 1024)}  # rows/rank, P, R
 MODELS = {  # hidden, layers, heads, kv heads, intermediate, vocab

@@ -32,8 +32,8 @@ import torch
 import transformers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from rlpipe.core.context import RunContext
-from rlpipe.core.models import response_logprobs
+from rlpipe.core.base.context import RunContext
+from rlpipe.core.models.lm import response_logprobs
 from rlpipe.plugins.collectors.hf import HFCollector
 from rlpipe.plugins.collectors.vllm import VLLMCollector
 

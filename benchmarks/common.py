@@ -103,7 +103,7 @@ def make_config(folder: Path, *, batch: int, new_tokens: int, device: str = "cpu
     16}``; ``critic``: the ``models.critic`` section; ``actor``: more ``models.actor`` keys;
     ``init``: ``models.actor.init`` (``pretrained`` needs `make_assets` with ``weights``);
     ``collector``: more ``collector`` keys."""
-    from rlpipe.core.config import load_config
+    from rlpipe.core.config.settings import load_config
 
     name = (f"{batch}x{new_tokens}{'_lora' if lora else ''}{'_critic' if critic else ''}"
             f"{'_actor' if actor else ''}")
@@ -136,7 +136,7 @@ def make_config(folder: Path, *, batch: int, new_tokens: int, device: str = "cpu
 def build_pipeline(cfg):
     """An rlpipe Pipeline; the configs above set ``min_new_tokens = max_new_tokens`` (EOS is
     masked until the budget), so both implementations process the same number of tokens."""
-    from rlpipe.core.pipeline import Pipeline
+    from rlpipe.core.run.pipeline import Pipeline
 
     return Pipeline(cfg, overwrite=True, progress=False)
 

@@ -24,9 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, TINY, machine, now, write_json  # noqa: E402
 
-from rlpipe.core.config import HealthConfig, load_config  # noqa: E402
-from rlpipe.core.health import Monitor, examine, load_rules  # noqa: E402
-from rlpipe.core.pipeline import train  # noqa: E402
+from rlpipe.core.config.settings import HealthConfig, load_config  # noqa: E402
+from rlpipe.core.observe.health import Monitor, examine, load_rules  # noqa: E402
+from rlpipe.core.run.pipeline import train  # noqa: E402
 
 
 def synthetic_rows(n: int, seed: int = 0) -> list[dict]:

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from rlpipe.core.models import cpu_has_bf16  # noqa: F401 -- vs_trl.py reads it here
+from rlpipe.core.models.lm import cpu_has_bf16  # noqa: F401 -- vs_trl.py reads it here
 
 
 def linear_shapes(config, lm_rows_share: float = 1.0) -> list[tuple[int, int, float]]:

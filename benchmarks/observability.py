@@ -24,8 +24,9 @@ import statistics
 import time
 
 from common import build_pipeline, machine, make_assets, make_config, print_header, workdir, write_json
-from rlpipe.core import console, export, samples
-from rlpipe.core.metrics import MetricsWriter
+from rlpipe.core.observe import console, samples
+from rlpipe.core.run import export
+from rlpipe.core.observe.metrics import MetricsWriter
 
 
 def timed_step(pipe, writer, on: bool) -> float:
@@ -48,8 +49,8 @@ def timed_step(pipe, writer, on: bool) -> float:
 def isolated_ms(pipe, reps: int = 20) -> float:
     """The observability work of one step on its own: statistics, sample rows and file, line."""
     batch, _ = pipe.step()
-    from rlpipe.core import kl
-    from rlpipe.core import schema as S
+    from rlpipe.core.step import kl
+    from rlpipe.core.base import schema as S
 
     mask = batch[S.RESPONSE_MASK]
     kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], "k1") * mask

@@ -1,6 +1,6 @@
 """A reference PPO step written plainly, as a user would with transformers and torch alone.
 
-The same algorithm as one rlpipe step (``rlpipe.core.pipeline.Pipeline.step``), with the same
+The same algorithm as one rlpipe step (``rlpipe.core.run.pipeline.Pipeline.step``), with the same
 models (actor, frozen reference copy, critic = a copy of the actor's backbone + a linear value
 head), reward, KL shaping, GAE, PPO loss, K epochs x minibatches and AdamW optimizers, written the
 straightforward way:

@@ -30,8 +30,8 @@ import torch
 from common import (LENGTH_REWARD, build_pipeline, default_json, machine, make_assets,
                     make_config, memory_mib, print_header, reset_peak, sync, workdir, write_json)
 from plain_ppo import PlainPPO
-from rlpipe.core.data import load_prompts
-from rlpipe.core.schema import PROMPT_MASK, RESPONSE_MASK
+from rlpipe.core.data.streams import load_prompts
+from rlpipe.core.base.schema import PROMPT_MASK, RESPONSE_MASK
 
 PHASES = ["time/rollout_s", "time/score_s", "time/update_s", "time/step_s"]
 

@@ -30,7 +30,7 @@ def main() -> None:
     bench = vs_trl.parse_args(["--model", args.model])
     torch.set_num_threads(bench.threads)
     from rlpipe import load_config
-    from rlpipe.core.pipeline import Pipeline
+    from rlpipe.core.run.pipeline import Pipeline
 
     policy, rm = vs_trl.make_models(bench.cache.expanduser() / args.model, args.model)
     work = workdir()

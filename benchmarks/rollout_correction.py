@@ -7,7 +7,7 @@ the mismatch preflight, on the CPU benchmark model (benchmarks/common.py ``small
 Two pipelines from the same config and weights, one per mode; each rep times, alternating which
 goes first: the scoring stage (`Pipeline._score_tokens` on one collected batch: actor + reference
 + critic forwards, or reference + critic under bypass), a whole PPO step, and the preflight
-(`rlpipe.core.preflight.check`: one rollout + one actor forward). Medians; ratios are what to
+(`rlpipe.core.run.preflight.check`: one rollout + one actor forward). Medians; ratios are what to
 read on a loaded machine (the load is recorded).
 """
 
@@ -20,7 +20,7 @@ import time
 
 from common import build_pipeline, default_json, machine, make_assets, make_config, print_header
 from common import workdir, write_json
-from rlpipe.core import preflight
+from rlpipe.core.run import preflight
 
 
 def timed(fn) -> float:

@@ -23,7 +23,7 @@ import torch
 
 from common import (build_pipeline, default_json, machine, make_assets, make_config,
                     print_header, sync, workdir, write_json)
-from rlpipe.core.schema import RESPONSE_MASK
+from rlpipe.core.base.schema import RESPONSE_MASK
 
 BASE = (16, 64)   # (batch, new tokens) shared by both sweeps
 

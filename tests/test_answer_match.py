@@ -5,9 +5,9 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from rlpipe.core import registry
-from rlpipe.core import schema as S
-from rlpipe.core.errors import UserError
+from rlpipe.core.contracts import registry
+from rlpipe.core.base import schema as S
+from rlpipe.core.base.errors import UserError
 from rlpipe.plugins.rewards.answer_match import (AnswerMatch, answer_scores, answers_match,
                                                  extract_answer)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.core.config import load_config
-from rlpipe.core.pipeline import train
-from rlpipe.core.prompts import load_prompt_data
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.run.pipeline import train
+from rlpipe.core.data.prompts import load_prompt_data
 from rlpipe.plugins.rewards.answer_match import answer_scores
 
 ROOT = Path(__file__).resolve().parents[1]

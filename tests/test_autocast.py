@@ -17,12 +17,12 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from rlpipe.core import schema as S
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.lora import allow_merging, merged_weights
-from rlpipe.core.models import response_logprobs
-from rlpipe.core.pipeline import Pipeline, train
+from rlpipe.core.base import schema as S
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.models.lora import allow_merging, merged_weights
+from rlpipe.core.models.lm import response_logprobs
+from rlpipe.core.run.pipeline import Pipeline, train
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 INPUTS = (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)

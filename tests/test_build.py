@@ -1,4 +1,4 @@
-"""core/build.py: devices, seeds, models, plugins (resolved once, by `load_config`), optimizers and
+"""core/run/build.py: devices, seeds, models, plugins (resolved once, by `load_config`), optimizers and
 learning-rate schedules, each against what the README's config reference promises."""
 
 import math
@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlpipe.core import build, registry
-from rlpipe.core.config import PluginConfig, load_config
-from rlpipe.core.errors import UserError
+from rlpipe.core.run import build
+from rlpipe.core.step import optim
+from rlpipe.core.contracts import registry
+from rlpipe.core.config.settings import PluginConfig, load_config
+from rlpipe.core.base.errors import UserError
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 DIST = f"rlpipe {version('rlpipe')}"
@@ -142,14 +144,14 @@ def test_trainable_skips_frozen_and_excluded_parameters():
     frozen = torch.nn.Linear(2, 2).requires_grad_(False)
     head = torch.nn.Linear(2, 1)
     module = torch.nn.ModuleDict({"shared": shared, "frozen": frozen, "head": head})
-    got = build.trainable(module, exclude=torch.nn.ModuleDict({"s": shared}))
+    got = optim.trainable(module, exclude=torch.nn.ModuleDict({"s": shared}))
     assert [id(p) for p in got] == [id(head.weight), id(head.bias)]
-    assert len(build.trainable(module)) == 4
+    assert len(optim.trainable(module)) == 4
 
 
 def test_make_optimizer_is_adamw_with_the_configured_rates():
     params = [torch.nn.Parameter(torch.zeros(3))]
-    opt = build.make_optimizer(params, lr=0.01, weight_decay=0.1)
+    opt = optim.make_optimizer(params, lr=0.01, weight_decay=0.1)
     assert isinstance(opt, torch.optim.AdamW)
     group = opt.param_groups[0]
     assert (group["lr"], group["weight_decay"], group["fused"]) == (0.01, 0.1, True)
@@ -157,7 +159,7 @@ def test_make_optimizer_is_adamw_with_the_configured_rates():
 
 def lrs(cfg, n: int) -> list[float]:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = build.make_scheduler(opt, cfg)
+    sched = optim.make_scheduler(opt, cfg)
     out = []
     for _ in range(n):
         out.append(sched.get_last_lr()[0])

@@ -12,9 +12,9 @@ from typing import Annotated, Literal
 import pytest
 import torch
 
-from rlpipe.core import schema
-from rlpipe.core.context import RunContext
-from rlpipe.core.errors import UserError
+from rlpipe.core.base import schema
+from rlpipe.core.base.context import RunContext
+from rlpipe.core.base.errors import UserError
 from rlpipe.plugins.collectors.base import (Bound, Collector, Count, Temperature, check_args,
                                             eos_ids, pad_rows)
 from rlpipe.plugins.collectors.hf import HFCollector

@@ -1,15 +1,15 @@
-"""Tests for core's collector adapter (core/collectors.py): declared values, documented defaults
+"""Tests for core's collector adapter (core/contracts/collector.py): declared values, documented defaults
 for a collector that does not subclass the base, and errors that name the plugin."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlpipe.core import registry
-from rlpipe.core.collectors import (close_collector, collector_max_new_tokens,
+from rlpipe.core.contracts import registry
+from rlpipe.core.contracts.collector import (close_collector, collector_max_new_tokens,
                                     collector_temperature, collector_truncation, request_actor_log_prob,
                                     request_hidden, sampling_view)
-from rlpipe.core.errors import UserError
+from rlpipe.core.base.errors import UserError
 from rlpipe.plugins.collectors.hf import HFCollector
 
 LABEL = "collector (rlpipe.collectors:toy (toy 1.0))"
@@ -35,7 +35,7 @@ def test_declared_values_are_read(ctx):
 
 
 def test_a_bare_collector_gets_the_documented_defaults():
-    from rlpipe.core.registry import DECLARED
+    from rlpipe.core.contracts.registry import DECLARED
 
     assert DECLARED["collectors"] == {"temperature": 1.0, "max_new_tokens": 0, "close": None,
                                       "score_truncated": False, "top_k": 0, "top_p": 1.0,
@@ -94,7 +94,7 @@ def test_what_a_property_or_close_raises_names_the_plugin():
 
 
 def test_truncation_is_declared_only_when_asked_and_sampling_truncates(ctx):
-    from rlpipe.core.truncation import Truncation
+    from rlpipe.core.base.truncation import Truncation
 
     asked = HFCollector(ctx, top_k=4, top_p=0.9, score_truncated=True)
     assert collector_truncation(asked) == Truncation(4, 0.9)

@@ -14,10 +14,11 @@ import torch
 import yaml
 from torch import nn
 
-from rlpipe.core import schema as S
-from rlpipe.core.config import load_config
-from rlpipe.core.pipeline import Pipeline
-from rlpipe.core.rewards import RewardComposer, wrap_reward_function
+from rlpipe.core.base import schema as S
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.run.pipeline import Pipeline
+from rlpipe.core.contracts.reward_fn import wrap_reward_function
+from rlpipe.core.step.rewards import RewardComposer
 from tests.conftest import python_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +151,7 @@ def _gather_worker(rank, store):
     import torch.distributed as dist
     from tensordict import NonTensorStack, TensorDict
 
-    from rlpipe.core.distributed import Dist
+    from rlpipe.core.models.distributed import Dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:

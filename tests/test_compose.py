@@ -1,4 +1,4 @@
-"""Composing in Python (core/compose.py): stage objects into the pipeline, the critic decision from
+"""Composing in Python (core/config/compose.py): stage objects into the pipeline, the critic decision from
 the advantage object, the record of what ran, ready-made stages by name, and the README snippets."""
 
 import functools
@@ -13,10 +13,13 @@ import torch
 import yaml
 
 import rlpipe
-from rlpipe.core import build, compose, registry
-from rlpipe.core.config import load_config, save_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.run import build
+from rlpipe.core.config import compose
+from rlpipe.core.contracts import registry
+from rlpipe.core.config.compose import save_config
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.run.pipeline import Pipeline
 from rlpipe.plugins.advantages import GAE, GRPO
 from rlpipe.plugins.collectors import HFCollector
 from rlpipe.plugins.losses import PPOLoss
@@ -188,7 +191,7 @@ def test_ready_made_stages_are_importable_by_name():
     """Every built-in entry point is exported by its group's package, as the same object."""
     assert rlpipe.UserError is UserError
     for group in ("collectors", "rewards", "advantages", "losses"):  # the stages (health rules
-        package = importlib.import_module(f"rlpipe.plugins.{group}")  # live in rlpipe.core.health)
+        package = importlib.import_module(f"rlpipe.plugins.{group}")  # live in rlpipe.core.observe.health)
         for name, specs in registry.find(group).items():
             spec = specs[0]
             if not spec.builtin:

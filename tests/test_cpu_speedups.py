@@ -25,9 +25,9 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from rlpipe.core.denormals import flush_denormals
-from rlpipe.core.lora import allow_merging, merged_weights
-from rlpipe.core.ops import token_logprobs
+from rlpipe.core.models.denormals import flush_denormals
+from rlpipe.core.models.lora import allow_merging, merged_weights
+from rlpipe.core.base.ops import token_logprobs
 from rlpipe.plugins.collectors.hf import HFCollector
 from tests.conftest import final_weights, logged_metrics, run_cli
 
@@ -138,7 +138,7 @@ def test_collector_rollout_on_merged_weights_is_the_unmerged_one(ctx, tiny_model
 
 FAULTS = """
 import resource, sys, torch
-from rlpipe.core.cpu_memory import keep_freed_memory
+from rlpipe.core.models.cpu_memory import keep_freed_memory
 assert keep_freed_memory(sys.argv[1] == "on")
 for step in range(30):                     # a 64 MiB tensor made and freed at every step
     if step == 20:

@@ -1,4 +1,4 @@
-"""A better critic start (core/critic_start.py): critic-only steps until value/explained_var
+"""A better critic start (core/models/critic_start.py): critic-only steps until value/explained_var
 reaches a threshold (with a cap, checkpointed), and a critic initialised from a reward model's
 backbone and score head, checked against the reward model's own forward."""
 
@@ -9,10 +9,10 @@ import torch
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, LlamaConfig
 from transformers import LlamaForSequenceClassification
 
-from rlpipe.core.config import TrainConfig, load_config
-from rlpipe.core.critic_start import CriticWarmup, critic_from_reward_model
-from rlpipe.core.errors import UserError
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.config.settings import TrainConfig, load_config
+from rlpipe.core.models.critic_start import CriticWarmup, critic_from_reward_model
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.run.pipeline import Pipeline
 
 from tests.conftest import build_tokenizer
 from tests.test_trainer import TINY, params, same, tiny

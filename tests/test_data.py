@@ -1,4 +1,4 @@
-"""core/data.py: prompt files, seeded passes over the prompts, and the PPO-ptx text batches."""
+"""core/data/streams.py: prompt files, seeded passes over the prompts, and the PPO-ptx text batches."""
 
 import json
 from types import SimpleNamespace
@@ -6,8 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlpipe.core.data import PromptStream, PtxStream, load_prompts, read_jsonl
-from rlpipe.core.errors import UserError
+from rlpipe.core.base.files import read_jsonl
+from rlpipe.core.data.streams import PromptStream, PtxStream, load_prompts
+from rlpipe.core.base.errors import UserError
 
 
 def write(tmp_path, name, data):

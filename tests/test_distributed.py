@@ -93,7 +93,7 @@ def test_one_and_two_processes_give_the_same_update(greedy_two, tmp_path):
 
 
 PACK_LOG = """import os
-from rlpipe.core import packing
+from rlpipe.core.models import packing
 _run = packing.run
 def _logged(forward, rows, *args, **kwargs):
     with open(os.environ["RLPIPE_TEST_PACKED"], "a") as f:
@@ -188,9 +188,9 @@ def test_more_processes_than_prompts_is_refused_before_launch(tmp_path, harness)
 def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch):
     """NCCL puts one rank on each GPU: 2 processes on a machine with 1 GPU are one line, not a
     worker's 'invalid device ordinal' traceback (torch's CUDA queries faked: CI has no GPU)."""
-    from rlpipe.core.config import load_config
-    from rlpipe.core.errors import UserError
-    from rlpipe.core.launch import check_before_launch
+    from rlpipe.core.config.settings import load_config
+    from rlpipe.core.base.errors import UserError
+    from rlpipe.core.run.launch import check_before_launch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -266,7 +266,7 @@ def test_the_launcher_reports_the_rank_that_printed_an_error(tmp_path, capsys, r
     the launcher prints rank 1's own error line once and exits 2."""
     from types import SimpleNamespace
 
-    from rlpipe.core.launch import _report
+    from rlpipe.core.run.launch import _report
 
     log = tmp_path / "run" / "attempt_0" / "1" / "stderr.log"
     log.parent.mkdir(parents=True)
@@ -280,7 +280,7 @@ def test_the_launcher_reports_the_rank_that_printed_an_error(tmp_path, capsys, r
 def test_the_launcher_keeps_a_crashing_workers_traceback(tmp_path, capsys):
     from types import SimpleNamespace
 
-    from rlpipe.core.launch import _report
+    from rlpipe.core.run.launch import _report
 
     log = tmp_path / "run" / "attempt_0" / "1" / "stderr.log"
     log.parent.mkdir(parents=True)

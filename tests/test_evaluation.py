@@ -1,4 +1,4 @@
-"""core/evaluation.py: held-out evaluation at step 0, every k steps and the last step, its
+"""core/step/evaluation.py: held-out evaluation at step 0, every k steps and the last step, its
 samples files, and training metrics identical with and without it."""
 
 import json
@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlpipe.core.config import load_config
-from rlpipe.core.evaluation import Evaluator
-from rlpipe.core.metrics import keep_steps
-from rlpipe.core.pipeline import train
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.step.evaluation import Evaluator
+from rlpipe.core.observe.metrics import keep_steps
+from rlpipe.core.run.pipeline import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
@@ -114,8 +114,8 @@ class _Engine:
 def test_evaluation_samples_from_a_declared_sampling_view(tmp_path):
     """A collector that offers `sampling_view` is asked for one at eval.temperature and n 1;
     no second collector is built from the config. One that fails to give it is one line."""
-    from rlpipe.core.evaluation import eval_collector
-    from rlpipe.core.registry import PluginError
+    from rlpipe.core.step.evaluation import eval_collector
+    from rlpipe.core.contracts.registry import PluginError
 
     cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "eval.temperature=0.3"])
     training = _Engine()

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlpipe.cli import main
-from rlpipe.core import checkpoint
-from rlpipe.core.models import load_causal_lm, load_tokenizer
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.run import checkpoint
+from rlpipe.core.models.lm import load_causal_lm, load_tokenizer
+from rlpipe.core.run.pipeline import Pipeline
 
 from tests.test_trainer import LORA, TINY, tiny
 

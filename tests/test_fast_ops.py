@@ -20,10 +20,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlpipe.core import ops
-from rlpipe.core.models import ValueModel, logprobs_and_values, response_logprobs, response_values
-from rlpipe.core.ops import pad_positions, token_logprobs, trim_padding
-from rlpipe.core.update import grad_norm
+from rlpipe.core.base import ops
+from rlpipe.core.models.lm import ValueModel, logprobs_and_values, response_logprobs, response_values
+from rlpipe.core.base.ops import pad_positions, token_logprobs, trim_padding
+from rlpipe.core.step.update import grad_norm
 
 
 def autograd_reference(logits, ids, start, temperature, entropy_grad):
@@ -248,7 +248,7 @@ def test_frozen_lm_head_runs_one_matmul_not_a_batched_one():
     is one [B*T, H] matmul, not a bmm over a broadcast weight; the log-probs are unchanged."""
     from torch.profiler import profile
 
-    from rlpipe.core.models import contiguous_input, response_logprobs
+    from rlpipe.core.models.lm import contiguous_input, response_logprobs
 
     frozen = double_llama().float().requires_grad_(False)
     inputs = padded_inputs()

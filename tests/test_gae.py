@@ -5,8 +5,8 @@ import torch
 from tensordict import TensorDict
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
-from rlpipe.core.errors import UserError
-from rlpipe.core.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE, VALUE_TARGET
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE, VALUE_TARGET
 from rlpipe.plugins.advantages.gae import GAE, masked_gae
 
 LENGTHS = [0, 7, 3, 7, 1, 5, 0, 6]  # includes zero-length and full-length (R = 7) rows

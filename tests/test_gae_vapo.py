@@ -5,8 +5,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core.errors import UserError
-from rlpipe.core.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE, VALUE_TARGET
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE, VALUE_TARGET
 from rlpipe.plugins.advantages.gae import (GAE, discounted_cumsum, length_adaptive_lambda,
                                            masked_gae)
 

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlpipe.core import build
-from rlpipe.core.config import load_config
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.run import build
+from rlpipe.core.step import optim
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.run.pipeline import Pipeline
 from tests.conftest import logged_metrics
 
 pytestmark = pytest.mark.gpu
@@ -73,7 +74,7 @@ def test_bf16_activation_checkpointing_trains(tmp_path):
 
 def test_adamw_is_fused_on_cuda():
     params = [torch.nn.Parameter(torch.randn(4, 4, device="cuda"))]
-    assert build.make_optimizer(params, 1e-3, 0.0).defaults["fused"] is True
+    assert optim.make_optimizer(params, 1e-3, 0.0).defaults["fused"] is True
 
 
 def test_gpu_run_resumes_on_cpu_and_back(tmp_path):
@@ -105,7 +106,7 @@ def test_fsdp2_world_of_one_on_nccl(nccl_world_of_one, tiny_model, bf16):
     within bf16 round-off, with fp32 parameters and gradients kept)."""
     import copy
 
-    from rlpipe.core.distributed import shard
+    from rlpipe.core.models.distributed import shard
 
     plain = copy.deepcopy(tiny_model).cuda()
     sharded = shard(copy.deepcopy(tiny_model).cuda(), bf16=bf16)
@@ -168,7 +169,7 @@ def test_tiny_example_on_cuda_follows_the_cpu_trajectory(tmp_path):
 def test_running_out_of_gpu_memory_is_one_line(tmp_path):
     """A real CUDA out-of-memory error (this process may use a millionth of the GPU, less than
     one 2 MiB block of the caching allocator) becomes one `UserError` naming the stage."""
-    from rlpipe.core.errors import UserError
+    from rlpipe.core.base.errors import UserError
 
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(1e-6)
@@ -184,9 +185,9 @@ def test_running_out_of_gpu_memory_is_one_line(tmp_path):
 def test_a_static_cache_compiles_decoding_and_keeps_the_log_probs(tiny_model, tiny_tokenizer):
     """``cache: static`` on CUDA: transformers compiles the decoding step; the drawn tokens'
     log-probs still equal the trainer's forward, over prompt widths in two STATIC_WIDTH steps."""
-    from rlpipe.core import schema
-    from rlpipe.core.context import RunContext
-    from rlpipe.core.models import response_logprobs
+    from rlpipe.core.base import schema
+    from rlpipe.core.base.context import RunContext
+    from rlpipe.core.models.lm import response_logprobs
     from rlpipe.plugins.collectors.hf import HFCollector
 
     model = tiny_model.to("cuda")

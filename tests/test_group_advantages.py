@@ -8,10 +8,10 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.pipeline import Pipeline
-from rlpipe.core.schema import ADVANTAGE, GROUP_ID, RESPONSE_MASK, REWARD, VALUE_TARGET
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.run.pipeline import Pipeline
+from rlpipe.core.base.schema import ADVANTAGE, GROUP_ID, RESPONSE_MASK, REWARD, VALUE_TARGET
 from rlpipe.plugins.advantages.gae import discounted_cumsum, masked_gae
 from rlpipe.plugins.advantages.grpo import GRPO, grpo_advantage
 from rlpipe.plugins.advantages.reinforce_pp import ReinforcePP, reinforce_pp_advantage

@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlpipe.core import checkpoint, registry
-from rlpipe.core.config import HealthConfig, load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.health import History, Monitor, examine, load_rules, slope
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.run import checkpoint
+from rlpipe.core.contracts import registry
+from rlpipe.core.config.settings import HealthConfig, load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.observe.health import History, Monitor, examine, load_rules, slope
+from rlpipe.core.run.pipeline import Pipeline
 from tests.conftest import NO_ISOLATION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +168,7 @@ def test_monitor_prints_once_and_logs_every_step_it_holds(rules):
 
 
 def test_monitor_memory_stays_flat_and_resumed_rules_stay_quiet(rules):
-    from rlpipe.core.health.monitor import HEAD, TAIL
+    from rlpipe.core.observe.health.monitor import HEAD, TAIL
 
     lines = []
     old = [{"step": 1, "policy/clipfrac": 0.9, "health/clip_high": 1}]
@@ -264,7 +265,7 @@ def test_doctor_on_a_bad_run_dir_is_one_line(tmp_path, setup, message):
 
 
 def test_report_summary_has_a_health_section(tmp_path):
-    from rlpipe.core.report import summary
+    from rlpipe.core.observe.report import summary
 
     run = write_run(tmp_path / "run", rows_of(**{"reward/score": [0.0, 1.0],
                                                  "train/skipped_minibatches": [0, 3]}))
@@ -279,7 +280,7 @@ def test_report_summary_has_a_health_section(tmp_path):
 THIRD_PARTY = '''
 from dataclasses import dataclass
 
-from rlpipe.core.health import Rule, num
+from rlpipe.core.observe.health import Rule, num
 
 
 @dataclass

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlpipe.core import schema
-from rlpipe.core.context import RunContext
-from rlpipe.core.errors import UserError
+from rlpipe.core.base import schema
+from rlpipe.core.base.context import RunContext
+from rlpipe.core.base.errors import UserError
 from rlpipe.plugins.collectors.hf import HFCollector
 
 PROMPTS = ["the cat sat on the mat", "hello", "big red dog", "a small blue rug and the big mat", "one"]
@@ -285,7 +285,7 @@ def test_a_static_cache_draws_what_the_dynamic_cache_draws(ctx, tiny_model, monk
                                                            temperature):
     """Same tokens, engine and trainer log-probs within float32 round-off, prompts widened to a
     multiple of STATIC_WIDTH (here past one: a prompt of about 90 tokens)."""
-    from rlpipe.core.models import response_logprobs
+    from rlpipe.core.models.lm import response_logprobs
     from rlpipe.plugins.collectors.hf import STATIC_WIDTH
 
     prompts = ["the cat sat on the mat", "hello", "big red dog " * 30, "one"]

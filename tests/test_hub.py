@@ -1,4 +1,4 @@
-"""Hugging Face model IDs (core/hub.py), resolved offline from a Hub-layout cache that the test
+"""Hugging Face model IDs (core/base/hub.py), resolved offline from a Hub-layout cache that the test
 builds under a temporary HF_HOME (``models--ORG--NAME/snapshots/REV/`` + ``refs/main``) from tiny
 random models: actor, critic, reward model, ``train-rm``; an unknown ID is one line."""
 
@@ -10,9 +10,10 @@ import torch
 import yaml
 from transformers import LlamaForSequenceClassification
 
-from rlpipe.core import build, hub
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
+from rlpipe.core.run import build
+from rlpipe.core.base import hub
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
 from rlpipe.plugins.rewards import RewardModel
 from rlpipe.plugins.rewards.training import load_rm_config
 

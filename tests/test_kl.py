@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from rlpipe.core.errors import UserError
-from rlpipe.core.kl import (ESTIMATORS, AdaptiveKLController, FixedKLController, estimate,
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.step.kl import (ESTIMATORS, AdaptiveKLController, FixedKLController, estimate,
                             kl_per_token, loss_term, shape_reward, split_coef)
 
 FORMULAS = {

@@ -8,11 +8,12 @@ import math
 import pytest
 import torch
 
-from rlpipe.core import guards, kl
-from rlpipe.core import schema as S
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.contracts import guards
+from rlpipe.core.step import kl
+from rlpipe.core.base import schema as S
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.run.pipeline import Pipeline
 
 from tests.test_trainer import TINY, tiny
 

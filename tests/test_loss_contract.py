@@ -1,4 +1,4 @@
-"""The loss contract (core/loss.py): declared defaults, the adapter's errors, and the metric
+"""The loss contract (core/step/loss.py): declared defaults, the adapter's errors, and the metric
 reductions against plain float64 loops -- explained variance pooled over any split."""
 
 import math
@@ -8,8 +8,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core.errors import UserError
-from rlpipe.core.loss import (LossContract, PipelineLoss, add_parts, contract_of, exceeds,
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.step.loss import (LossContract, PipelineLoss, add_parts, contract_of, exceeds,
                               explained_var, explained_var_sums, finish, micro_parts)
 from rlpipe.plugins.losses.ppo import PPOLoss
 
@@ -60,7 +60,7 @@ def test_adapter_errors_name_the_loss():
 
     class NoSetter(torch.nn.Module):
         contract = LossContract(kl_term=True)
-    with pytest.raises(UserError, match="contract must be a rlpipe.core.loss.LossContract"):
+    with pytest.raises(UserError, match="contract must be a rlpipe.core.step.loss.LossContract"):
         contract_of(WrongType())
     with pytest.raises(UserError, match="declares kl_term but has no set_kl_estimator"):
         contract_of(NoSetter())

@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.models import (Models, checkpointing, enable_checkpointing, response_logprobs,
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.models.lm import (Models, checkpointing, enable_checkpointing, response_logprobs,
                                 unwrap)
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.run.pipeline import Pipeline
 from tests.conftest import TEST_DEVICE
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.run.pipeline import Pipeline
 
 from tests.test_trainer import tiny
 

@@ -1,4 +1,4 @@
-"""What a run shows: the batch statistics of `core/samples.py` against plain float64 loops, the
+"""What a run shows: the batch statistics of `core/observe/samples.py` against plain float64 loops, the
 sample files, the gradient norms before clipping, the terminal (bar postfix, one line per step
 off a terminal, status lines, library bars silenced) and the final summary."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import console
-from rlpipe.core import schema as S
-from rlpipe.core.pipeline import Pipeline
-from rlpipe.core.samples import sample_files, sample_rows, step_stats
+from rlpipe.core.observe import console
+from rlpipe.core.base import schema as S
+from rlpipe.core.run.pipeline import Pipeline
+from rlpipe.core.observe.samples import sample_files, sample_rows, step_stats
 
 from tests.conftest import TEST_DEVICE
 from tests.test_trainer import rows, tiny
@@ -189,7 +189,7 @@ def test_bar_keeps_its_bar_and_fits(width):
 
 
 def test_one_line_per_step_when_not_a_terminal(tmp_path, capfd):
-    from rlpipe.core.metrics import MetricsWriter
+    from rlpipe.core.observe.metrics import MetricsWriter
 
     with MetricsWriter(tmp_path / "metrics.jsonl", 2, progress=True) as w:  # stderr is no tty here
         w.write(METRICS)
@@ -267,7 +267,7 @@ def test_samples_go_to_tensorboard_as_text(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard",
                         types.SimpleNamespace(SummaryWriter=Writer))
-    from rlpipe.core.metrics import MetricsWriter
+    from rlpipe.core.observe.metrics import MetricsWriter
 
     with MetricsWriter(tmp_path / "metrics.jsonl", 1, progress=False, tensorboard=True) as w:
         w.log_samples(ROWS, 5)
@@ -290,7 +290,7 @@ def test_samples_go_to_wandb_as_a_table(tmp_path, monkeypatch):
                                 finish=lambda: None)
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **k: run, Table=Table))
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    from rlpipe.core.metrics import MetricsWriter
+    from rlpipe.core.observe.metrics import MetricsWriter
 
     with MetricsWriter(tmp_path / "metrics.jsonl", 1, progress=False, wandb=True) as w:
         w.log_samples(ROWS, 2)

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlpipe.core import schema as S
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.models import response_logprobs
-from rlpipe.core.pipeline import Pipeline, train
-from rlpipe.core.truncation import Truncation, truncated_log_prob
+from rlpipe.core.base import schema as S
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.models.lm import response_logprobs
+from rlpipe.core.run.pipeline import Pipeline, train
+from rlpipe.core.base.truncation import Truncation, truncated_log_prob
 from rlpipe.plugins.collectors.hf import HFCollector
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
@@ -85,7 +85,7 @@ def test_float64_actor_log_prob_equals_a_plain_loop(tiny_model, tiny_tokenizer, 
     response token. ``generate`` hands its processors float32 logits, so the match is to float32
     round-off (2e-6); a wrong temperature, position, or an EOS suppression scored in would be
     off by 1e-3 or more."""
-    from rlpipe.core.context import RunContext
+    from rlpipe.core.base.context import RunContext
 
     model = tiny_model.double()
     ctx = RunContext(tokenizer=tiny_tokenizer, actor=model, device=model.device, max_new_tokens=8)

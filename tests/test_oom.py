@@ -1,4 +1,4 @@
-"""core/oom.py: running out of memory is one ``error:`` line (exit 2) naming the stage, the memory
+"""core/run/oom.py: running out of memory is one ``error:`` line (exit 2) naming the stage, the memory
 in use and the settings that shrink that stage, not a traceback.
 
 The first test runs out of memory for real: the address-space limit is lowered to what the
@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.run.pipeline import Pipeline
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 GPU_OOM = "CUDA out of memory. Tried to allocate 20.00 GiB (stand-in)"
 
 LIMITED_UPDATE = textwrap.dedent('''
     import resource
-    from rlpipe.core import update
+    from rlpipe.core.step import update
 
     def _held():
         for line in open("/proc/self/status"):
@@ -74,7 +74,7 @@ def failing(inner, when=lambda *args, **kwargs: True):
 
 
 def test_scoring_and_the_update_are_told_apart(tmp_path, monkeypatch):
-    from rlpipe.core import models
+    from rlpipe.core.models import lm as models
 
     forward = models._forward
     monkeypatch.setattr(models, "_forward",
@@ -94,7 +94,7 @@ def test_scoring_and_the_update_are_told_apart(tmp_path, monkeypatch):
 
 
 def test_a_run_without_a_critic_gets_no_critic_hints(tmp_path, monkeypatch):
-    from rlpipe.core import models
+    from rlpipe.core.models import lm as models
 
     monkeypatch.setattr(models, "_forward",
                         failing(models._forward, lambda *a, **k: torch.is_grad_enabled()))
@@ -120,7 +120,7 @@ def test_a_reward_function_and_python_memory_errors(tmp_path):
     def greedy(prompts, responses, **batch):
         raise MemoryError()
 
-    from rlpipe.core.pipeline import train
+    from rlpipe.core.run.pipeline import train
 
     cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "run.steps=1", "run.device=cpu"])
     with pytest.raises(UserError, match="^out of memory in the rewards, .*greedy"):
@@ -128,7 +128,7 @@ def test_a_reward_function_and_python_memory_errors(tmp_path):
 
 
 def test_loading_the_models(tmp_path, monkeypatch):
-    from rlpipe.core import models
+    from rlpipe.core.models import lm as models
 
     monkeypatch.setattr(models, "_from_folder", failing(models._from_folder))
     with pytest.raises(UserError, match="^out of memory in loading the models") as e:
@@ -145,7 +145,7 @@ def test_loading_the_models(tmp_path, monkeypatch):
 
 
 def test_evaluation(tmp_path, monkeypatch):
-    from rlpipe.core.evaluation import Evaluator
+    from rlpipe.core.step.evaluation import Evaluator
 
     prompts = tmp_path / "held_out.txt"
     prompts.write_text("the cat\nthe dog\n")
@@ -157,9 +157,10 @@ def test_evaluation(tmp_path, monkeypatch):
 
 
 def test_rlpipe_check_explains_it_too(tmp_path, monkeypatch):
-    from rlpipe.core import models, preflight
+    from rlpipe.core.models import lm as models
+    from rlpipe.core.run.pipeline import check_config
 
     monkeypatch.setattr(models, "_forward", failing(models._forward))
     cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "run.device=cpu"])
     with pytest.raises(UserError, match="^out of memory in the preflight"):
-        preflight.check_config(cfg, echo=lambda line: None)
+        check_config(cfg, echo=lambda line: None)

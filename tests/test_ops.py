@@ -1,11 +1,11 @@
-"""core/ops.py: masked statistics against plain float64 loops over the selected entries only."""
+"""core/base/ops.py: masked statistics against plain float64 loops over the selected entries only."""
 
 import math
 
 import pytest
 import torch
 
-from rlpipe.core.ops import last_token_index, masked_mean, masked_var, masked_whiten
+from rlpipe.core.base.ops import last_token_index, masked_mean, masked_var, masked_whiten
 
 
 def selected(x: torch.Tensor, mask: torch.Tensor) -> list[float]:

@@ -1,9 +1,9 @@
 """``models.packed``: the rows of a forward run as one packed sequence without their padding,
-attention within each row (`rlpipe.core.packing`). Checked here: the packing's layout, that
+attention within each row (`rlpipe.core.models.packing`). Checked here: the packing's layout, that
 log-probs, entropies, values and every parameter's gradient equal each row run alone without
 padding (an oracle that shares no code with either path) and the padded forward in float64
 (Llama, Qwen2, GPT-2; on their own, after a common prefix and after distinct prompts that ran
-apart through `rlpipe.core.prefix`), a LoRA actor and its reference, a shared-backbone critic,
+apart through `rlpipe.core.models.prefix`), a LoRA actor and its reference, a shared-backbone critic,
 gradient checkpointing, which forwards pack, that a model whose attention ignores the rows runs
 padded, and that a run gives the metrics and weights of a run without packing."""
 
@@ -15,11 +15,11 @@ import pytest
 import torch
 import transformers
 
-from rlpipe.core import packing, prefix
-from rlpipe.core.config import load_config
-from rlpipe.core.models import (ValueModel, enable_checkpointing, logprobs_and_values,
+from rlpipe.core.models import packing, prefix
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.models.lm import (ValueModel, enable_checkpointing, logprobs_and_values,
                                 response_logprobs, response_values)
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.run.pipeline import Pipeline
 from tests.test_shared_prefix import TINY, assert_same_run, configs, padded_batch
 from tests.test_shared_prompts import shared_runs  # noqa: F401 (a fixture)
 

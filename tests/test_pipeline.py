@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlpipe.core import schema as S
-from rlpipe.core.config import load_config
-from rlpipe.core.models import response_logprobs
-from rlpipe.core.pipeline import Pipeline, train
+from rlpipe.core.base import schema as S
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.models.lm import response_logprobs
+from rlpipe.core.run.pipeline import Pipeline, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"

@@ -7,9 +7,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core.errors import UserError
-from rlpipe.core.loss import add_parts, finish, micro_parts
-from rlpipe.core.schema import (ADVANTAGE, ENTROPY, KL_COEF, LOG_PROB, NUM_SEQS, NUM_TOKENS,
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.step.loss import add_parts, finish, micro_parts
+from rlpipe.core.base.schema import (ADVANTAGE, ENTROPY, KL_COEF, LOG_PROB, NUM_SEQS, NUM_TOKENS,
                                 OLD_LOG_PROB, REF_LOG_PROB, RESPONSE_MASK, VALUE, VALUE_PRED,
                                 VALUE_TARGET)
 from rlpipe.plugins.losses.ppo import AGG_MODES, PPOLoss

@@ -1,4 +1,4 @@
-"""The mismatch preflight (core/preflight.py, `rlpipe check`, `run.preflight`): its numbers against
+"""The mismatch preflight (core/run/preflight.py, `rlpipe check`, `run.preflight`): its numbers against
 a float64 loop; on HF (the engine is the actor) it passes, it fails on one line with exit status 1
 for truncated sampling scored untruncated, and a run with the preflight trains as one without."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlpipe.core.config import load_config
-from rlpipe.core.pipeline import Pipeline, train
-from rlpipe.core.preflight import PreflightFailed, check, measure
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.run.pipeline import Pipeline, train
+from rlpipe.core.run.preflight import PreflightFailed, check, measure
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 FAST = ["collector.max_new_tokens=8", "data.batch_size=4", "train.epochs=1"]

@@ -1,4 +1,4 @@
-"""core/prompts.py: every input format through Hugging Face `datasets`, chat prompts, the
+"""core/data/prompts.py: every input format through Hugging Face `datasets`, chat prompts, the
 columns that travel with samples, and the one-line errors of bad data."""
 
 import json
@@ -13,9 +13,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import schema as S
-from rlpipe.core.errors import UserError
-from rlpipe.core.prompts import PromptData, chat_text, load_prompt_data
+from rlpipe.core.base import schema as S
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.data.prompts import PromptData, chat_text, load_prompt_data
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
@@ -77,8 +77,8 @@ def test_a_hub_dataset_resolves_from_the_local_cache_offline(tmp_path):
     for arrow in target.glob("parquet-*.arrow"):
         arrow.rename(target / arrow.name.replace("parquet-", "arith-"))
     shutil.rmtree(cache / "parquet")
-    code = ("import json, sys\nfrom rlpipe.core.prompts import load_prompt_data\n"
-            "from rlpipe.core.errors import UserError\n"
+    code = ("import json, sys\nfrom rlpipe.core.data.prompts import load_prompt_data\n"
+            "from rlpipe.core.base.errors import UserError\n"
             "d = load_prompt_data('me/arith')\nprint(json.dumps([d.prompts, d.columns]))\n"
             "try:\n    load_prompt_data('nobody/nothing')\nexcept UserError as e:\n    print(e)\n")
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
@@ -200,8 +200,8 @@ def test_cli_errors_come_before_any_model_is_built(tmp_path, harness):
 
 
 def test_data_errors_come_before_the_run_directory(tmp_path):
-    from rlpipe.core.config import load_config
-    from rlpipe.core.pipeline import Pipeline
+    from rlpipe.core.config.settings import load_config
+    from rlpipe.core.run.pipeline import Pipeline
 
     config = write_config(tmp_path, written(tmp_path, "jsonl"))
     out = tmp_path / "never"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.core.config import Config
+from rlpipe.core.config.settings import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

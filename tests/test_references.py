@@ -1,4 +1,4 @@
-"""Plugins by reference (core/references.py): ``name: module:attr``, a reward ``path`` +
+"""Plugins by reference (core/contracts/references.py): ``name: module:attr``, a reward ``path`` +
 ``function``, and changing a plugin on the command line (``advantage.name=grpo``)."""
 
 from pathlib import Path
@@ -9,9 +9,11 @@ from click.testing import CliRunner
 from tensordict import NonTensorStack, TensorDict
 
 from rlpipe.cli import main
-from rlpipe.core import build, schema
-from rlpipe.core.config import load_config, save_config
-from rlpipe.core.errors import UserError
+from rlpipe.core.run import build
+from rlpipe.core.base import schema
+from rlpipe.core.config.compose import save_config
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"

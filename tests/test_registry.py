@@ -10,8 +10,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import registry, schema
-from rlpipe.core.registry import PluginError
+from rlpipe.core.contracts import registry
+from rlpipe.core.base import schema
+from rlpipe.core.contracts.registry import PluginError
 from tests.conftest import python_path
 
 BUILTINS = {("collectors", "hf"), ("rewards", "length"), ("rewards", "loop"),

@@ -22,11 +22,11 @@ import torch
 from click.testing import CliRunner
 
 from rlpipe.cli import main
-from rlpipe.core import checkpoint
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.metrics import MetricsWriter
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.run import checkpoint
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.observe.metrics import MetricsWriter
+from rlpipe.core.run.pipeline import Pipeline
 from tests.conftest import final_weights, logged_metrics as rows
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
@@ -161,10 +161,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(point, tmp_path, referen
 
 KILL_SCRIPT = """
 import os, sys
-from rlpipe.core import checkpoint
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.run import checkpoint
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.run.pipeline import Pipeline
 real = checkpoint.save_file
 def save_file(tensors, path):
     real(tensors, path)

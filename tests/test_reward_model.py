@@ -15,11 +15,11 @@ from transformers import (AutoModelForSequenceClassification, LlamaConfig,
                           LlamaForSequenceClassification, PreTrainedTokenizerFast)
 
 from rlpipe.cli import main
-from rlpipe.core import schema as S
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.pipeline import Pipeline
-from rlpipe.core.rewards import RewardComposer
+from rlpipe.core.base import schema as S
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.run.pipeline import Pipeline
+from rlpipe.core.step.rewards import RewardComposer
 from rlpipe.plugins.rewards.reward_model import RewardModel, score_texts
 from rlpipe.plugins.rewards.training import RewardModelTrainer, load_rm_config
 

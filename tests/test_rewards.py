@@ -5,9 +5,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core.context import RunContext
-from rlpipe.core.errors import UserError
-from rlpipe.core.schema import FINISHED, RESPONSE_IDS, RESPONSE_MASK
+from rlpipe.core.base.context import RunContext
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.schema import FINISHED, RESPONSE_IDS, RESPONSE_MASK
 from rlpipe.plugins.rewards.length import LengthPenalty
 from rlpipe.plugins.rewards.loop import LoopPenalty, repeat_fraction, tail_fraction
 

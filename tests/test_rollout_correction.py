@@ -1,4 +1,4 @@
-"""Rollout correction (core/rollout_correction.py): weights and metrics against plain float64 loops,
+"""Rollout correction (core/step/rollout_correction.py): weights and metrics against plain float64 loops,
 the PPO loss's weighted surrogate, the contract and config checks, and on the tiny example with
 the HF engine (the actor itself) every mode reduces to plain PPO; bypass skips the actor's
 recompute forward and its first ratio is 1."""
@@ -14,14 +14,14 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import rollout_correction as rc
-from rlpipe.core import schema as S
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.loss import LossContract
-from rlpipe.core.models import response_logprobs, response_values
-from rlpipe.core.pipeline import Pipeline
-from rlpipe.core.update import _checked_contract
+from rlpipe.core.step import rollout_correction as rc
+from rlpipe.core.base import schema as S
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.step.loss import LossContract
+from rlpipe.core.models.lm import response_logprobs, response_values
+from rlpipe.core.run.pipeline import Pipeline
+from rlpipe.core.step.update import _checked_contract
 from rlpipe.plugins.losses.ppo import PPOLoss
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
@@ -196,7 +196,7 @@ def test_every_mode_is_plain_ppo_when_the_engine_is_the_actor(tmp_path, temperat
         cfg = tiny(tmp_path / mode, "run.steps=2", f"rollout_correction.mode={mode}",
                    f"collector.temperature={temperature}", "data.batch_size=4",
                    "collector.max_new_tokens=8", "train.epochs=1")
-        from rlpipe.core.pipeline import train
+        from rlpipe.core.run.pipeline import train
 
         runs[mode] = read_metrics(train(cfg, progress=False))
     for mode in ("tis", "mis", "bypass"):

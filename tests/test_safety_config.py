@@ -16,10 +16,10 @@ import yaml
 from click.testing import CliRunner
 
 from rlpipe.cli import main
-from rlpipe.core import build
-from rlpipe.core.config import Config, LoraConfig, build_section, load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.yamlconf import Range, _set_dotted, rule_text, yaml_key
+from rlpipe.core.run import build
+from rlpipe.core.config.settings import Config, LoraConfig, build_section, load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.yamlconf import Range, _set_dotted, rule_text, yaml_key
 from rlpipe.plugins.rewards.training import load_rm_config
 
 ROOT = Path(__file__).resolve().parents[1]

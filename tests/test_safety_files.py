@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from rlpipe.core.errors import UserError
+from rlpipe.core.base.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny"
@@ -223,7 +223,8 @@ def test_yes_on_stdin_does_not_run_the_folders_code(pretrained, tmp_path, harnes
 def test_transformers_is_told_not_to_trust_remote_code(pretrained, tmp_path, monkeypatch, init):
     """With rlpipe's own check switched off, transformers still refuses: trust_remote_code=False
     is passed explicitly, so it neither asks nor runs the code."""
-    from rlpipe.core import model_files, models
+    from rlpipe.core.base import model_files
+    from rlpipe.core.models import lm as models
 
     folder, marker = remote_code_folder(pretrained, tmp_path)
     monkeypatch.setattr(model_files, "check_remote_code", lambda *a, **k: None)

@@ -18,10 +18,11 @@ from tensordict import TensorDict
 
 from rlpipe.cli import main
 from tests.conftest import python_path
-from rlpipe.core import guards, registry, schema
-from rlpipe.core.errors import UserError
-from rlpipe.core.registry import PluginError
-from rlpipe.core.rewards import RewardComposer
+from rlpipe.core.contracts import guards, registry
+from rlpipe.core.base import schema
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.contracts.registry import PluginError
+from rlpipe.core.step.rewards import RewardComposer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny"
@@ -31,7 +32,7 @@ EVIL = """
 
     import torch
 
-    from rlpipe.core import schema as S
+    from rlpipe.core.base import schema as S
     from rlpipe.plugins.advantages.grpo import GRPO
     from rlpipe.plugins.collectors.hf import HFCollector
     from rlpipe.plugins.losses.ppo import PPOLoss
@@ -263,7 +264,7 @@ NAN, INF = float("nan"), float("inf")
     ([-200.0, -1.0, 0.0], [-1.0, -1.0, 0.0], "k3", ["the k3 estimator overflowed"]),
 ], ids=["actor", "reference", "both", "k3 overflow"])
 def test_non_finite_kl_names_its_source(old, ref, estimator, fragments):
-    from rlpipe.core import kl
+    from rlpipe.core.step import kl
 
     td = batch(old, ref)
     kl_tok = kl.kl_per_token(td[schema.OLD_LOG_PROB], td[schema.REF_LOG_PROB], estimator)

@@ -15,10 +15,10 @@ import yaml
 from click.testing import CliRunner
 
 from rlpipe.cli import main
-from rlpipe.core import build, rundir
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.run import build, rundir
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.run.pipeline import Pipeline
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FAST = ["run.steps=1", "data.batch_size=2", "collector.max_new_tokens=6", "train.epochs=1",

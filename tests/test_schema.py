@@ -1,4 +1,4 @@
-"""core/schema.py: the batch keys are the ones DESIGN.md documents, and `validate` names the key and
+"""core/base/schema.py: the batch keys are the ones DESIGN.md documents, and `validate` names the key and
 the stage for every kind of bad entry."""
 
 import re
@@ -8,8 +8,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import schema as S
-from rlpipe.core.errors import UserError
+from rlpipe.core.base import schema as S
+from rlpipe.core.base.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 B, P, R = 3, 4, 5

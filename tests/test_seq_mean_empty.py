@@ -5,8 +5,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlpipe.core import schema as S
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.base import schema as S
+from rlpipe.core.run.pipeline import Pipeline
 from rlpipe.plugins.losses.ppo import PPOLoss, aggregate_loss
 
 from tests.test_trainer import tiny

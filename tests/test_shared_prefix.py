@@ -1,5 +1,5 @@
 """``models.shared_prefix``: prompt tokens that every row of a forward begins with run once, at
-batch size 1, and their KV cache is repeated to the rows (`rlpipe.core.prefix`). Checked here:
+batch size 1, and their KV cache is repeated to the rows (`rlpipe.core.models.prefix`). Checked here:
 which prefix counts as shared, that the rows' hidden states and every parameter's gradient equal
 the whole forward's in float64 (for Llama, Qwen2 and GPT-2), that log-probs and values agree
 within float32 round-off (also for a LoRA actor, its reference and a critic on its backbone),
@@ -16,12 +16,12 @@ import pytest
 import torch
 import transformers
 
-from rlpipe.core import prefix
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.models import (ValueModel, checkpointing, enable_checkpointing,
+from rlpipe.core.models import prefix
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.models.lm import (ValueModel, checkpointing, enable_checkpointing,
                                 logprobs_and_values, response_logprobs, response_values)
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.run.pipeline import Pipeline
 from tests.conftest import final_weights, logged_metrics
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"

@@ -1,6 +1,6 @@
 """``models.shared_prefix`` where rows repeat prompts (``collector.n`` > 1, GRPO's groups): each
 distinct prompt runs once (its own common prefix once), its KV cache is selected for the rows of
-that prompt, and each row runs its last prompt token and its response (`rlpipe.core.prefix`).
+that prompt, and each row runs its last prompt token and its response (`rlpipe.core.models.prefix`).
 Checked here: which prompts count as the same and which sharing `run` picks, that the rows'
 hidden states and every parameter's gradient equal the whole forward's in float64 (Llama, Qwen2,
 GPT-2; with and without a common prefix among the prompts, rows of a prompt interleaved), that
@@ -16,10 +16,10 @@ import pytest
 import torch
 import transformers
 
-from rlpipe.core import prefix
-from rlpipe.core.config import load_config
-from rlpipe.core.models import ValueModel, logprobs_and_values, response_logprobs, response_values
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.models import prefix
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.models.lm import ValueModel, logprobs_and_values, response_logprobs, response_values
+from rlpipe.core.run.pipeline import Pipeline
 from tests.test_shared_prefix import (TINY, assert_rows_and_gradients_equal, assert_same_run,
                                       cache_arg, configs, padded_batch)
 
@@ -143,7 +143,7 @@ def test_the_hf_collector_prefills_shared_prompt_tokens_once(tiny_model, tiny_to
     """``generate`` given the shared tokens' KV cache (`generation_cache`) draws the same tokens
     with the same log-probs and hidden states: each distinct prompt prefilled once with n > 1,
     the common prefix alone with n = 1."""
-    from rlpipe.core.context import RunContext
+    from rlpipe.core.base.context import RunContext
     from rlpipe.plugins.collectors.hf import HFCollector
 
     model = tiny_model.double()
@@ -176,7 +176,7 @@ def test_update_micro_batches_keep_a_prompts_samples_together(tmp_path, shared_r
     """With ``train.grad_accum`` > 1 each minibatch is ordered by prompt before it is split, so
     a prompt's samples meet in one micro-batch and share its tokens; the micro-batches still
     cover the minibatch's rows once."""
-    from rlpipe.core.update import Updater
+    from rlpipe.core.step.update import Updater
 
     seen, real = [], Updater._micro_step
 

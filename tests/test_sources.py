@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.core import sources
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.sources import resolve_package_model
+from rlpipe.core.base import sources
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.sources import resolve_package_model
 
 REPO = Path(__file__).resolve().parents[1]
 

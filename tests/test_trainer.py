@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlpipe.core import checkpoint
-from rlpipe.core import schema as S
-from rlpipe.core.config import load_config
-from rlpipe.core.models import logprobs_and_values, response_logprobs, response_values
-from rlpipe.core.pipeline import Pipeline
+from rlpipe.core.run import checkpoint
+from rlpipe.core.base import schema as S
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.models.lm import logprobs_and_values, response_logprobs, response_values
+from rlpipe.core.run.pipeline import Pipeline
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 LORA = ["models.actor.lora={r: 4, alpha: 8}"]

@@ -1,4 +1,4 @@
-"""Engine log-probs from HF `generate` and truncation-aware scoring (core/truncation.py): the kept
+"""Engine log-probs from HF `generate` and truncation-aware scoring (core/base/truncation.py): the kept
 set equals transformers' own top-k/top-p warpers and a float64 loop, and the trainer's truncated
 log-probs equal the probabilities `generate` actually sampled from."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-from rlpipe.core import schema as S
-from rlpipe.core.context import RunContext
-from rlpipe.core.models import response_logprobs
-from rlpipe.core.truncation import Truncation, keep_mask, truncated_log_prob
+from rlpipe.core.base import schema as S
+from rlpipe.core.base.context import RunContext
+from rlpipe.core.models.lm import response_logprobs
+from rlpipe.core.base.truncation import Truncation, keep_mask, truncated_log_prob
 from rlpipe.plugins.collectors.hf import HFCollector
 
 PROMPTS = ["the cat sat on the mat", "hello", "big red dog", "one"]

@@ -1,4 +1,4 @@
-"""The PPO update (core/update.py): critic warm-up, NaN guard, target KL, KL as a loss term,
+"""The PPO update (core/step/update.py): critic warm-up, NaN guard, target KL, KL as a loss term,
 schedules, ptx, and the loss contract -- what the trainer computes for a loss, who adds the KL
 term, which metric stops the epochs, and metrics that do not depend on the micro-batch split."""
 
@@ -11,12 +11,12 @@ import torch
 from tensordict import TensorDict
 from torchrl.objectives import LossModule
 
-from rlpipe.core import schema as S
-from rlpipe.core.config import load_config
-from rlpipe.core.errors import UserError
-from rlpipe.core.loss import LossContract
-from rlpipe.core.pipeline import Pipeline
-from rlpipe.core.update import TrainingDiverged, Updater
+from rlpipe.core.base import schema as S
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.step.loss import LossContract
+from rlpipe.core.run.pipeline import Pipeline
+from rlpipe.core.step.update import TrainingDiverged, Updater
 from rlpipe.plugins.losses.ppo import PPOLoss
 
 from tests.test_trainer import TINY, params, same, tiny  # the tiny-run helpers, shared

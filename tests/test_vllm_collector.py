@@ -22,12 +22,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlpipe.core import registry, schema
-from rlpipe.core.config import load_config
-from rlpipe.core.context import RunContext
-from rlpipe.core.errors import UserError
-from rlpipe.core.models import response_logprobs
-from rlpipe.core.pipeline import train
+from rlpipe.core.contracts import registry
+from rlpipe.core.base import schema
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.base.context import RunContext
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.models.lm import response_logprobs
+from rlpipe.core.run.pipeline import train
 from rlpipe.plugins.collectors.hf import HFCollector
 from rlpipe.plugins.collectors.vllm import VLLMCollector, engine_weights
 from tests.conftest import build_tokenizer
@@ -392,8 +393,8 @@ def test_preflight_fails_on_a_stale_engine_and_passes_once_synced(tmp_path, toke
     engine is not told (a missed sync) -> one-line failure; after the sync it passes. Then one
     mis step against that stale start logs the rollout/* metrics and masks tokens."""
     need_vllm()
-    from rlpipe.core.pipeline import Pipeline
-    from rlpipe.core.preflight import PreflightFailed, check
+    from rlpipe.core.run.pipeline import Pipeline
+    from rlpipe.core.run.preflight import PreflightFailed, check
 
     model_dir, prompts = write_assets(tmp_path, tokenizer)
     cfg = load_config(TINY_CONFIG, [f"run.output_dir={tmp_path / 'run'}", "run.steps=1",

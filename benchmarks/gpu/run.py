@@ -116,7 +116,7 @@ def update_chunks(pipe, batch, args) -> dict:
     GPU-sized ones (the default off the CPU since 2026-11-26, unmeasured until this part ran),
     alternating twice: seconds per update, best of two."""
     from common import sync
-    from rlpipe.core import ops
+    from rlpipe.core.base import ops
 
     gpu, out = ops.GPU_CHUNK_ELEMENTS, {}
     for _ in range(2):

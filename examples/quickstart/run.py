@@ -27,10 +27,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model is local: never reach for the hub
 
 from rlpipe import load_config  # noqa: E402
-from rlpipe.core import schema  # noqa: E402
-from rlpipe.core.errors import UserError  # noqa: E402
-from rlpipe.core.pipeline import Pipeline  # noqa: E402
-from rlpipe.core.report import write_report  # noqa: E402
+from rlpipe.core.base import schema  # noqa: E402
+from rlpipe.core.base.errors import UserError  # noqa: E402
+from rlpipe.core.run.pipeline import Pipeline  # noqa: E402
+from rlpipe.core.observe.report import write_report  # noqa: E402
 from rlpipe.plugins.collectors.hf import HFCollector  # noqa: E402
 from rlpipe.plugins.rewards.reward_model import (  # noqa: E402
     load_classifier, load_rm_tokenizer, score_texts)

@@ -11,7 +11,7 @@ lambda ``1 - 1 / (alpha * length)`` (`length_adaptive_lambda`).
 
 >>> import torch
 >>> from tensordict import TensorDict
->>> from rlpipe.core import schema
+>>> from rlpipe.core.base import schema
 >>> td = TensorDict({schema.REWARD: torch.tensor([[0.0, 1.0, 0.0]]),
 ...                  schema.VALUE: torch.tensor([[0.5, 0.5, 9.0]]),
 ...                  schema.RESPONSE_MASK: torch.tensor([[True, True, False]])}, batch_size=[1])
@@ -27,9 +27,9 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
-from rlpipe.core.errors import UserError
-from rlpipe.core.ops import masked_whiten
-from rlpipe.core.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE, VALUE_TARGET
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.ops import masked_whiten
+from rlpipe.core.base.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE, VALUE_TARGET
 
 
 def _row_discount_matrices(discount: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:

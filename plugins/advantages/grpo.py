@@ -9,7 +9,7 @@ tokens. No critic.
 
 >>> import torch
 >>> from tensordict import TensorDict
->>> from rlpipe.core import schema
+>>> from rlpipe.core.base import schema
 >>> td = TensorDict({schema.REWARD: torch.tensor([[0.0, 1.0], [3.0, 0.0]]),
 ...                  schema.RESPONSE_MASK: torch.tensor([[True, True], [True, False]]),
 ...                  schema.GROUP_ID: torch.tensor([7, 7])}, batch_size=[2])
@@ -23,8 +23,8 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
-from rlpipe.core.errors import UserError
-from rlpipe.core.schema import ADVANTAGE, GROUP_ID, RESPONSE_MASK, REWARD, VALUE_TARGET
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.schema import ADVANTAGE, GROUP_ID, RESPONSE_MASK, REWARD, VALUE_TARGET
 
 
 def grpo_advantage(reward: torch.Tensor, mask: torch.Tensor, group_id: torch.Tensor,

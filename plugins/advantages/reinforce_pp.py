@@ -8,7 +8,7 @@ of the batch.
 
 >>> import torch
 >>> from tensordict import TensorDict
->>> from rlpipe.core import schema
+>>> from rlpipe.core.base import schema
 >>> td = TensorDict({schema.REWARD: torch.tensor([[0.0, 2.0], [1.0, 5.0]]),
 ...                  schema.RESPONSE_MASK: torch.tensor([[True, True], [True, False]])},
 ...                 batch_size=[2])
@@ -25,9 +25,9 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
-from rlpipe.core.errors import UserError
-from rlpipe.core.ops import masked_whiten
-from rlpipe.core.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE_TARGET
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.ops import masked_whiten
+from rlpipe.core.base.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE_TARGET
 from rlpipe.plugins.advantages.gae import discounted_cumsum
 
 
@@ -36,7 +36,7 @@ def reinforce_pp_advantage(reward: torch.Tensor, mask: torch.Tensor,
     """Advantage and return, both [B, R] and 0 on padding, from [B, R] ``reward`` and a
     right-padded bool ``mask``: ``G_t = sum_{k >= t} gamma ** (k - t) * r_k`` over valid tokens,
     and the advantage is ``G`` whitened over all valid tokens (population std, as
-    `rlpipe.core.ops.masked_whiten`).
+    `rlpipe.core.base.ops.masked_whiten`).
 
     >>> adv, ret = reinforce_pp_advantage(torch.tensor([[1.0, 1.0, 9.0]]),
     ...                                   torch.tensor([[True, True, False]]))

@@ -8,7 +8,7 @@ advantage, score minus baseline, is spread over its valid tokens. No critic.
 
 >>> import torch
 >>> from tensordict import TensorDict
->>> from rlpipe.core import schema
+>>> from rlpipe.core.base import schema
 >>> td = TensorDict({schema.REWARD: torch.tensor([[1.0, 0.0], [0.0, 4.0], [7.0, 0.0]]),
 ...                  schema.RESPONSE_MASK: torch.tensor([[True, False], [True, True],
 ...                                                      [True, True]]),
@@ -23,9 +23,9 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
-from rlpipe.core.errors import UserError
-from rlpipe.core.ops import masked_whiten
-from rlpipe.core.schema import ADVANTAGE, GROUP_ID, RESPONSE_MASK, REWARD, VALUE_TARGET
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.ops import masked_whiten
+from rlpipe.core.base.schema import ADVANTAGE, GROUP_ID, RESPONSE_MASK, REWARD, VALUE_TARGET
 
 
 def rloo_advantage(reward: torch.Tensor, mask: torch.Tensor,

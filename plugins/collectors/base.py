@@ -13,7 +13,7 @@ and decoded texts. It declares what core reads: ``temperature``, ``max_new_token
 >>> check_args("toy collector", {"n": 0}, {"n": Count})
 Traceback (most recent call last):
 ...
-rlpipe.core.errors.UserError: toy collector: n must be an integer >= 1, got 0
+rlpipe.core.base.errors.UserError: toy collector: n must be an integer >= 1, got 0
 
 A complete collector, with a word-level tokenizer and an engine that answers "two" then EOS:
 
@@ -53,9 +53,9 @@ from typing import Annotated, Any, Literal
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from rlpipe.core import schema
-from rlpipe.core.errors import UserError
-from rlpipe.core.yamlconf import Range
+from rlpipe.core.base import schema
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.yamlconf import Range
 
 __all__ = ["Bound", "Collector", "Count", "Fraction", "Temperature", "TopK", "Tokens",
            "check_args", "eos_ids", "pad_rows"]
@@ -63,7 +63,7 @@ __all__ = ["Bound", "Collector", "Count", "Fraction", "Temperature", "TopK", "To
 
 @dataclass(frozen=True)
 class Bound:
-    """A numeric argument's range as `rlpipe.core.yamlconf.Range` text (``">= 1"``,
+    """A numeric argument's range as `rlpipe.core.base.yamlconf.Range` text (``">= 1"``,
     ``"in (0, 1]"``; empty: unbounded) and a note for its error, declared in the signature:
     ``n: Annotated[int, Bound(">= 1")] = 1``."""
 
@@ -155,7 +155,7 @@ class Collector:
     which `collect` reads at each call. Core reads ``temperature`` (its log-probs divide the
     logits by it; 0 scores at 1), ``max_new_tokens`` (``ctx.max_new_tokens`` of the other
     plugins), ``top_k``, ``top_p`` and ``score_truncated`` (true: the trainer scores tokens under
-    the same truncated, renormalised distribution; `rlpipe.core.truncation`) and calls
+    the same truncated, renormalised distribution; `rlpipe.core.base.truncation`) and calls
     ``close()`` at the end of a run (a no-op here).
 
     A subclass declares every argument in its own signature (config checks names and types
@@ -206,7 +206,7 @@ class Collector:
 
     def collect(self, prompts: list[str]) -> TensorDict:
         """Generate for ``prompts``; a TensorDict of batch size ``[len(prompts) * n]`` with the
-        prompt/response keys of `rlpipe.core.schema` (and what `generate` adds), ``n``
+        prompt/response keys of `rlpipe.core.base.schema` (and what `generate` adds), ``n``
         consecutive rows per prompt; prompts left-padded, responses right-padded."""
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise UserError(f"{self.label}: collect() needs a non-empty list of prompt strings")

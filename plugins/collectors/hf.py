@@ -16,7 +16,7 @@ token's log-prob under the trainer's scoring distribution, from the same logits,
 any processor (EOS suppression, top-k, top-p) changes them; core then skips its own forward.
 With ``ctx.shared_prefix`` (``models.shared_prefix``) the prompt tokens that rows share, a prefix
 common to all or each distinct prompt of ``n`` samples, are prefilled once and ``generate`` gets
-their KV cache (`rlpipe.core.models.generation_cache`): the same logits, fewer prompt tokens run.
+their KV cache (`rlpipe.core.models.lm.generation_cache`): the same logits, fewer prompt tokens run.
 
 >>> collector = HFCollector(ctx, max_new_tokens=16, n=4)       # doctest: +SKIP
 >>> batch = collector.collect(["Write a haiku."])               # doctest: +SKIP
@@ -35,11 +35,11 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
                           StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
 
-from rlpipe.core import schema
-from rlpipe.core.distributed import unsharded
-from rlpipe.core.errors import UserError
-from rlpipe.core.lora import merged_weights
-from rlpipe.core.models import generation_cache, unwrap
+from rlpipe.core.base import schema
+from rlpipe.core.models.distributed import unsharded
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.models.lora import merged_weights
+from rlpipe.core.models.lm import generation_cache, unwrap
 from rlpipe.plugins.collectors.base import Collector, Count, Fraction, Temperature, Tokens, TopK
 
 
@@ -115,7 +115,7 @@ class HFCollector(Collector):
     def record_actor_log_prob(self, temperature: float, truncation=None) -> None:
         """Also write ``actor_log_prob`` (see the module docstring) from the next `collect` on:
         log-probs under ``softmax(logits / temperature)``, restricted to ``truncation`` (a
-        `rlpipe.core.truncation.Truncation`) when it is not None."""
+        `rlpipe.core.base.truncation.Truncation`) when it is not None."""
         self.trainer_scoring = (temperature, truncation)
 
     def _warpers(self) -> list:
@@ -266,7 +266,7 @@ class _TrainerLogProb(LogitsProcessor):
     """The first logits processor: keeps the logits divided by the trainer's ``temperature``
     (temperature 0, greedy, scores at 1) before any processor changes them, and `take` records
     the appended tokens' log-probs under the trainer's distribution: ``log_softmax``, or
-    ``truncation.log_prob`` (a `rlpipe.core.truncation.Truncation`), as `response_logprobs`."""
+    ``truncation.log_prob`` (a `rlpipe.core.base.truncation.Truncation`), as `response_logprobs`."""
 
     def __init__(self, temperature: float, truncation=None):
         self.scale, self.truncation = temperature if temperature > 0 else 1.0, truncation

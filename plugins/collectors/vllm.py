@@ -14,7 +14,7 @@ token, so the pipeline can log ``collector/logprob_gap`` (stale or wrong weights
 Log-probs follow rlpipe's convention (logits / temperature; greedy scores at temperature 1)
 through vLLM's ``logprobs_mode="processed_logprobs"``. With ``top_p < 1`` or ``top_k > 0`` the
 engine renormalises over the kept tokens; the trainer does too with ``score_truncated=True``
-(`rlpipe.core.truncation`), else the gap is not 0 there.
+(`rlpipe.core.base.truncation`), else the gap is not 0 there.
 
 Evaluation samples from the same engine through `VLLMCollector.sampling_view` (its temperature,
 one sample per prompt, a seed per request), not from a second engine.
@@ -35,9 +35,9 @@ from typing import Annotated, Literal
 
 import torch
 
-from rlpipe.core import schema
-from rlpipe.core.errors import UserError
-from rlpipe.core.models import unwrap
+from rlpipe.core.base import schema
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.models.lm import unwrap
 from rlpipe.plugins.collectors.base import (Bound, Collector, Count, Fraction, Temperature, Tokens,
                                             TopK, pad_rows)
 

@@ -6,13 +6,13 @@ and ``value_pred`` into the micro-batch, as the loss's `LossContract` asks (entr
 only when ``entropy_coef > 0``). Losses are sums over the micro-batch divided by the
 minibatch-wide counts ``num_tokens``/``num_seqs``, so the losses of the micro-batches of a
 minibatch add up to the loss of the whole minibatch. With ``kl.in: loss`` it adds ``loss_kl``
-itself (`rlpipe.core.kl.loss_term`, the run's estimator). A micro-batch that carries
+itself (`rlpipe.core.step.kl.loss_term`, the run's estimator). A micro-batch that carries
 ``rollout_is_weight`` (``rollout_correction.mode`` tis or mis) weights each token's clipped
-surrogate by it (`rlpipe.core.rollout_correction`).
+surrogate by it (`rlpipe.core.step.rollout_correction`).
 
 >>> import torch
 >>> from tensordict import TensorDict
->>> from rlpipe.core import schema
+>>> from rlpipe.core.base import schema
 >>> td = TensorDict({schema.LOG_PROB: torch.zeros(1, 2), schema.OLD_LOG_PROB: torch.zeros(1, 2),
 ...                  schema.ADVANTAGE: torch.tensor([[1.0, 3.0]]),
 ...                  schema.RESPONSE_MASK: torch.tensor([[True, True]])}, batch_size=[1])
@@ -30,11 +30,12 @@ from dataclasses import dataclass
 import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
 
-from rlpipe.core import kl, schema
-from rlpipe.core.errors import UserError
-from rlpipe.core.loss import (EXPLAINED_VAR, LossContract, PipelineLoss, explained_var,
+from rlpipe.core.step import kl
+from rlpipe.core.base import schema
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.step.loss import (EXPLAINED_VAR, LossContract, PipelineLoss, explained_var,
                               explained_var_sums, global_count)
-from rlpipe.core.ops import masked_mean
+from rlpipe.core.base.ops import masked_mean
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 VALUE_LOSSES = ("mse", "huber")
@@ -119,7 +120,7 @@ class PPOLoss(PipelineLoss):
     over this micro-batch, except ``explained_var`` (``1 - Var(target - pred) / Var(target)``
     over its valid tokens; its sums, under ``explained_var_sums``, let the trainer pool it over
     micro-batches and processes). ``approx_kl`` is the k2 estimator ``(log_ratio)^2 / 2`` of
-    KL(pi_old || pi) (`rlpipe.core.kl.estimate`), the metric ``train.target_kl`` reads.
+    KL(pi_old || pi) (`rlpipe.core.step.kl.estimate`), the metric ``train.target_kl`` reads.
 
     >>> PPOLoss(clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean").clip_high
     0.28

@@ -35,9 +35,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from rlpipe.core import schema
-from rlpipe.core.errors import UserError
-from rlpipe.core.rewards import batch_texts
+from rlpipe.core.base import schema
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.contracts.reward_fn import batch_texts
 
 Extract = Literal["auto", "boxed", "hash", "number", "regex"]
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")

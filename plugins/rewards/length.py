@@ -19,9 +19,9 @@ tensor([ 0.0000, -0.5000, -1.5000])
 import torch
 from torch import nn
 
-from rlpipe.core.context import RunContext
-from rlpipe.core.errors import UserError
-from rlpipe.core.schema import FINISHED, RESPONSE_MASK
+from rlpipe.core.base.context import RunContext
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.schema import FINISHED, RESPONSE_MASK
 
 
 def length_penalty(lengths: torch.Tensor, finished: torch.Tensor, *, min_tokens: int = 0,

@@ -22,8 +22,8 @@ tensor([ 0., -1.])
 import torch
 from torch import nn
 
-from rlpipe.core.errors import UserError
-from rlpipe.core.schema import RESPONSE_IDS, RESPONSE_MASK
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.schema import RESPONSE_IDS, RESPONSE_MASK
 
 
 def repeat_fraction(tokens: torch.Tensor, n: int = 3) -> float:

@@ -25,13 +25,13 @@ from typing import Literal
 import torch
 from torch import nn
 
-from rlpipe.core.context import RunContext
-from rlpipe.core.errors import UserError
-from rlpipe.core.hub import ModelPath, find_model
-from rlpipe.core.model_files import check_finite, check_model_dir, check_weights, loading
-from rlpipe.core.models import load_tokenizer
-from rlpipe.core.rewards import batch_texts
-from rlpipe.core.schema import PROMPT_TEXT, RESPONSE_TEXT
+from rlpipe.core.base.context import RunContext
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.hub import ModelPath, find_model
+from rlpipe.core.base.model_files import check_finite, check_model_dir, check_weights, loading
+from rlpipe.core.models.lm import load_tokenizer
+from rlpipe.core.contracts.reward_fn import batch_texts
+from rlpipe.core.base.schema import PROMPT_TEXT, RESPONSE_TEXT
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -83,7 +83,7 @@ def score_texts(model, tokenizer, prompts: list[str], responses: list[str], batc
 def load_classifier(path: Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                     setting: str = "the reward_model argument trust_remote_code"):
     """A frozen, eval-mode ``AutoModelForSequenceClassification`` with exactly one output; the
-    folder is checked first (`rlpipe.core.model_files`) and any load error is one line."""
+    folder is checked first (`rlpipe.core.base.model_files`) and any load error is one line."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     path = Path(path)

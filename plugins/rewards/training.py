@@ -40,15 +40,15 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from rlpipe.core.build import (apply_lora, make_optimizer, resolve_device, seed_everything,
-                               trainable)
-from rlpipe.core import rundir
-from rlpipe.core.config import LoraConfig, build_section, read_config_file
-from rlpipe.core.console import quiet_libraries
-from rlpipe.core.data import read_jsonl
-from rlpipe.core.errors import UserError
-from rlpipe.core.hub import ModelPath
-from rlpipe.core.model_files import check_model_dir, check_weights, loading
+from rlpipe.core.run.build import apply_lora, resolve_device, seed_everything
+from rlpipe.core.step.optim import make_optimizer, trainable
+from rlpipe.core.run import rundir
+from rlpipe.core.config.settings import LoraConfig, build_section, read_config_file
+from rlpipe.core.observe.console import quiet_libraries
+from rlpipe.core.base.files import read_jsonl
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.hub import ModelPath
+from rlpipe.core.base.model_files import check_model_dir, check_weights, loading
 from rlpipe.plugins.rewards.reward_model import load_rm_tokenizer, rm_inputs, score_texts
 
 FIELDS = ("prompt", "chosen", "rejected")

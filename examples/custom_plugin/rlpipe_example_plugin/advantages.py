@@ -3,8 +3,8 @@
 import torch
 from tensordict.nn import TensorDictModuleBase
 
-from rlpipe.core import schema
-from rlpipe.core.errors import UserError
+from rlpipe.core.base import schema
+from rlpipe.core.base.errors import UserError
 
 
 def reward_to_go(reward: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:

@@ -1,0 +1,238 @@
+"""The rules between config keys, checked by `load_config` before any model is built.
+
+Single keys (types, ranges, files) are checked while the YAML is converted (`rlpipe.core.base.yamlconf`);
+what needs several keys, or a plugin's signature, or the model's ``config.json``, is here:
+
+- plugin arguments against each plugin constructor's signature (each plugin is resolved here,
+  once, and kept on its section for build: `resolve_plugin`);
+- ``data.prompts`` and ``eval.prompts``: a path that exists or a Hub dataset name;
+- at least one reward, unique reward labels; ``ptx.data`` when ``ptx.coef > 0``;
+- the samples of a step (``data.batch_size`` x collector ``n``) split into ``train.minibatches``
+  minibatches of at least (processes x ``train.grad_accum``) samples, and a prompt per process;
+- ``distributed.rdzv_endpoint`` is HOST:PORT, required when ``distributed.nnodes > 1``;
+- the collector's ``max_prompt_tokens + max_new_tokens`` fit the model's context (an unset
+  ``max_prompt_tokens`` is lowered to fit), and so does ``ptx.max_tokens``;
+- the ``health`` section: installed rule names, each rule's parameters (`rlpipe.core.observe.health`).
+- a ``rollout_correction.mode`` other than none, with top-k / top-p sampling, needs
+  ``collector.score_truncated: true`` (else every weight carries the truncation's bias);
+  ``rollout_correction.old_log_prob: sampling`` needs mode none (the other modes measure the
+  engine against a trainer forward, or take the engine's log-probs);
+- ``models.autocast`` and ``distributed.bf16`` are two ways to compute in bf16: one at a time;
+- ``eval.*`` settings without ``eval.prompts`` are a warning (nothing is evaluated).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+from rlpipe.core.contracts import references, registry
+from rlpipe.core.models.critic_start import check_critic_start
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.data.prompts import data_source
+from rlpipe.core.observe.health import load_rules
+
+PLUGIN_GROUPS = {"collector": "collectors", "advantage": "advantages", "loss": "losses",
+                 "rewards": "rewards"}
+_ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):([0-9]{1,5})")
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions")
+
+
+def check_config(cfg, conv) -> None:
+    """Every rule above; the first one broken is a `UserError` naming its key."""
+    cfg.data.prompts = data_source(cfg.data.prompts, conv, "data.prompts")
+    cfg.eval.prompts = data_source(cfg.eval.prompts, conv, "eval.prompts")
+    for key, group in PLUGIN_GROUPS.items():
+        sections = getattr(cfg, key)
+        for i, section in enumerate(sections if isinstance(sections, list) else [sections]):
+            check_plugin_args(section, f"{key}.{i}" if key == "rewards" else key, group, conv)
+    labels = [r.key for r in cfg.rewards]  # none: `Pipeline(rewards=...)` must give them
+    if len(set(labels)) != len(labels):
+        raise UserError(f"rewards: duplicate reward names {labels}; give repeated plugins a `label`")
+    if cfg.ptx.coef > 0 and cfg.ptx.data is None:
+        raise UserError("ptx.data: required when ptx.coef > 0")
+    check_rendezvous(cfg.distributed)
+    if cfg.models.autocast != "none" and cfg.distributed.bf16:
+        raise UserError("models.autocast: distributed.bf16 already computes in bf16 (FSDP mixed "
+                        "precision); set one of the two")
+    check_critic_start(cfg)
+    _warn_unused_eval(cfg.eval)
+    check_batches(cfg)
+    check_context(cfg)
+    check_rollout_correction(cfg)
+    cfg.health.resolved = load_rules(cfg.health, conv)
+
+
+def _warn_unused_eval(section) -> None:
+    """``eval.*`` settings without ``eval.prompts`` do nothing: one warning line says so."""
+    import dataclasses
+    import sys
+
+    if section.prompts is not None or os.environ.get("RANK", "0") != "0":
+        return
+    default = type(section)()
+    unused = [f"eval.{f.name}" for f in dataclasses.fields(section)
+              if getattr(section, f.name) != getattr(default, f.name)]
+    if unused:
+        print(f"warning: {', '.join(unused)} set without eval.prompts: no evaluation runs",
+              file=sys.stderr)
+
+
+def resolve_plugin(section, group: str) -> registry.Plugin:
+    """The plugin a config section names, resolved once: `load_config` keeps it on the section
+    (``section.resolved``) and build takes it from there. A section built by hand, or renamed
+    since, is resolved now."""
+    plugin = section.resolved
+    if plugin is None or (plugin.spec.group, plugin.spec.name) != (group, references.spec_name(section)):
+        plugin = section.resolved = references.load(section, group)
+    return plugin
+
+
+def check_plugin_args(section, key: str, group: str, conv) -> None:
+    """Check a plugin section's arguments against the plugin constructor's signature (a reward
+    file's ``path`` first becomes absolute, relative to the config file)."""
+    if getattr(section, "function", None) is not None or section.name is None:
+        references.check_reward_file(section, key, conv)
+    elif f"{key}.name" in conv.cli_keys:  # the plugin changed on the command line
+        references.drop_foreign_args(section, key, group, conv.cli_keys)
+    plugin = resolve_plugin(section, group)
+    spec, params = plugin.spec, registry.init_params(plugin.obj)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = {n: p for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
+    for arg, value in references.plugin_args(section).items():
+        if arg not in named and not takes_any:
+            raise UserError(f"{key}.{arg}: unknown argument for plugin {spec.label}; "
+                            f"accepted: {', '.join(named) or 'none'}")
+        if arg in named and named[arg].annotation is not inspect.Parameter.empty:
+            hint = named[arg].annotation
+            if isinstance(hint, str):  # `from __future__ import annotations` in the plugin
+                obj = plugin.obj
+                hint = typing.get_type_hints(obj.__init__ if inspect.isclass(obj) else obj).get(arg, Any)
+            section.args[arg] = conv.value(value, hint, f"{key}.{arg}")
+    missing = [n for n, p in named.items() if p.default is p.empty and n not in section.args]
+    if missing:
+        raise UserError(f"{key}: plugin {spec.label} needs argument(s) {', '.join(missing)}")
+
+
+def collector_arg(cfg, name: str):
+    """``(value, given)``: the collector's argument ``name`` as configured, else its constructor's
+    default (None when it has no such parameter)."""
+    if name in cfg.collector.args:
+        return cfg.collector.args[name], True
+    param = registry.init_params(resolve_plugin(cfg.collector, "collectors").obj).get(name)
+    return (None if param is None or param.default is param.empty else param.default), False
+
+
+def _count(value) -> bool:
+    """A whole number >= 1 (anything else is left to the plugin's own constructor check)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def world_size(dist_cfg) -> int:
+    """Processes in the job: torchrun's ``WORLD_SIZE`` when launched, else nproc x nnodes."""
+    launched = os.environ.get("WORLD_SIZE", "")
+    return int(launched) if launched.isdigit() and int(launched) >= 1 else dist_cfg.nproc * dist_cfg.nnodes
+
+
+def check_batches(cfg) -> None:
+    """The runtime split of a step's samples (`rlpipe.core.step.update`), checked at load."""
+    n, _ = collector_arg(cfg, "n")
+    n = 1 if n is None else n
+    if not _count(n):
+        return
+    t, prompts, world = cfg.train, cfg.data.batch_size, world_size(cfg.distributed)
+    samples = prompts * n
+    if world > 1 and prompts < world:
+        raise UserError(f"data.batch_size={prompts} gives some of the {world} processes no prompt; "
+                        f"raise it to at least {world}")
+    if samples % t.minibatches:
+        raise UserError(f"train.minibatches: {t.minibatches} does not divide the {samples} samples "
+                        f"per step (data.batch_size={prompts} x collector n={n})")
+    size, need = samples // t.minibatches, world * t.grad_accum
+    if size < need:
+        key = "train.grad_accum" if t.grad_accum > 1 else "train.minibatches"
+        split = (f"train.grad_accum={t.grad_accum} micro-batches" if world == 1 else
+                 f"{world} processes x train.grad_accum={t.grad_accum} = {need} micro-batches")
+        raise UserError(f"{key}: a minibatch of {size} samples ({samples} samples per step / "
+                        f"train.minibatches={t.minibatches}) cannot be split into {split}")
+
+
+def check_rendezvous(d) -> None:
+    if d.rdzv_endpoint is not None:
+        match = _ENDPOINT.fullmatch(d.rdzv_endpoint)
+        if not match or not 1 <= int(match.group(2)) <= 65535:
+            raise UserError(f"distributed.rdzv_endpoint: expected HOST:PORT with a port in "
+                            f"1..65535 (for example node0:29500), got {d.rdzv_endpoint!r}")
+    elif d.nnodes > 1:
+        raise UserError(f"distributed.rdzv_endpoint: required when distributed.nnodes > 1 "
+                        f"(got nnodes={d.nnodes}); give HOST:PORT of the rendezvous, e.g. node0:29500")
+    if not d.rdzv_id.strip():
+        raise UserError("distributed.rdzv_id: must not be empty")
+
+
+def context_limit(folder: Path) -> tuple[int, str] | None:
+    """``(tokens, "max_position_embeddings=N in FILE")`` from a model folder's ``config.json``;
+    None when the folder has no readable context length (the model loader reports a bad file)."""
+    file = Path(folder) / "config.json"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    sections = [data, data.get("text_config")] if isinstance(data, dict) else []
+    for section in filter(lambda s: isinstance(s, dict), sections):
+        for name in _CONTEXT_KEYS:
+            if _count(section.get(name)):
+                return section[name], f"{name}={section[name]} in {file}"
+    return None
+
+
+def check_context(cfg) -> None:
+    """Prompt + response budget of the collector, and ``ptx.max_tokens``, within the context."""
+    limits = [(f"the {role} model's context", context_limit(path)) for role, path in
+              (("actor", cfg.models.actor.path), ("critic", cfg.models.critic.path)) if path]
+    engine_len, _ = collector_arg(cfg, "max_model_len")
+    if _count(engine_len):
+        limits.append(("collector.max_model_len", (engine_len, "the collector's engine length")))
+    limits = [(what, limit) for what, limit in limits if limit is not None]
+    prompt, prompt_given = collector_arg(cfg, "max_prompt_tokens")
+    new, new_given = collector_arg(cfg, "max_new_tokens")
+    if _count(prompt) and _count(new):
+        for what, (tokens, source) in limits:
+            if prompt + new <= tokens:
+                continue
+            if not prompt_given and new < tokens:  # the default prompt budget shrinks to fit
+                prompt = cfg.collector.args["max_prompt_tokens"] = tokens - new
+                continue
+            raise UserError(
+                f"collector.max_prompt_tokens + collector.max_new_tokens = {prompt}"
+                f"{'' if prompt_given else ' (default)'} + {new}{'' if new_given else ' (default)'}"
+                f" = {prompt + new} tokens exceed {what} of {tokens} tokens ({source}); lower one")
+    actor = context_limit(cfg.models.actor.path)
+    if cfg.ptx.coef > 0 and actor is not None and cfg.ptx.max_tokens > actor[0]:
+        raise UserError(f"ptx.max_tokens: {cfg.ptx.max_tokens} exceeds the actor model's context "
+                        f"of {actor[0]} tokens ({actor[1]})")
+
+
+def check_rollout_correction(cfg) -> None:
+    """Weights against truncated engine log-probs need the trainer to score truncated too."""
+    mode = cfg.rollout_correction.mode
+    if mode != "none" and cfg.rollout_correction.old_log_prob == "sampling":
+        raise UserError(f"rollout_correction.old_log_prob: sampling needs rollout_correction.mode: "
+                        f"none, got {mode} (which compares the engine with a trainer forward, or, "
+                        f"bypass, takes the engine's own log-probs); use old_log_prob: auto")
+    temperature, _ = collector_arg(cfg, "temperature")
+    top_k, _ = collector_arg(cfg, "top_k")
+    top_p, _ = collector_arg(cfg, "top_p")
+    truncated = (isinstance(top_k, int) and top_k > 0) or (isinstance(top_p, float) and top_p < 1)
+    sampled = not isinstance(temperature, (int, float)) or temperature > 0
+    scored, _ = collector_arg(cfg, "score_truncated")
+    if mode != "none" and truncated and sampled and scored is not True:
+        raise UserError(f"rollout_correction.mode: {mode} compares the trainer's log-probs with the "
+                        f"engine's, which come from the top-k/top-p truncated distribution "
+                        f"(collector.top_k={top_k}, collector.top_p={top_p}); set "
+                        f"collector.score_truncated: true")

@@ -1,0 +1,264 @@
+"""Turn a `Config` into live objects: run directory, models, plugins, optimizers.
+
+Everything the pipeline needs is built here, so `core/run/pipeline.py` reads as the algorithm only.
+Plugins are looked up by name in the registry and never special-cased.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlpipe.core.config import compose
+from rlpipe.core.contracts import references, registry
+from rlpipe.core.run import rundir
+from rlpipe.core.config.compose import save_config
+from rlpipe.core.config.settings import Config
+from rlpipe.core.config.checks import collector_arg, resolve_plugin
+from rlpipe.core.data.prompts import PromptData, load_prompt_data
+from rlpipe.core.base.context import RunContext
+from rlpipe.core.contracts.collector import collector_max_new_tokens
+from rlpipe.core.models.critic_start import critic_from_reward_model
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.models.lora import allow_merging
+from rlpipe.core.models.distributed import shard
+from rlpipe.core.models.lm import (_DTYPES, Models, ValueModel, enable_checkpointing, frozen_copy,
+                                   load_causal_lm, load_tokenizer)
+from rlpipe.core.step.rewards import RewardComposer
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str, key: str = "run.device") -> torch.device:
+    """``auto`` (CUDA where there is one), or the device ``name`` if this machine has it;
+    ``key`` is the setting an error names."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise UserError(f"{key}: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"{key}: {name!r} requested but CUDA is not available")
+    return device
+
+
+def check_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
+                  reads=()) -> Path:
+    """The run directory, if this run may use it (see `rlpipe.core.run.rundir`); writes nothing.
+    ``reads``: input paths beyond those in ``cfg`` (the config file)."""
+    return _check_run_dir(cfg, overwrite, resume, reads)[0]
+
+
+def _check_run_dir(cfg: Config, overwrite: bool, resume: bool, reads=()):
+    """``(run_dir, state, changes)``: `rundir.state`, and the config changes a resume applies."""
+    resume = resume or cfg.run.resume == "auto"
+    run_dir = rundir.output_path(cfg.run.output_dir, "run.output_dir")
+    found = rundir.check_output(run_dir, rundir.RUN_LAYOUT, overwrite, resume, "run.output_dir",
+                                [*rundir.input_paths(cfg), *reads])
+    changes = rundir.resume_changes(run_dir, cfg.to_dict()) if found == "run" and resume else {}
+    return run_dir, found, changes
+
+
+def finished_message(cfg: Config, resume: bool = False) -> str | None:
+    """The line to print instead of training when ``--resume`` meets a finished run."""
+    if not (resume or cfg.run.resume == "auto"):
+        return None
+    run_dir = rundir.output_path(cfg.run.output_dir, "run.output_dir")
+    step = rundir.finished_step(run_dir) if run_dir.is_dir() else None
+    if step is None or step < cfg.run.steps:
+        return None
+    return f"run {run_dir} is already finished at step {step}; raise run.steps to continue"
+
+
+def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
+                    is_main: bool = True) -> Path:
+    """Create the run directory with its marker and resolved config (rank 0 only). An earlier run
+    is kept for ``resume`` and cleared with ``overwrite``; anything else is refused."""
+    if not is_main:  # rank 0 checks and writes; another rank would see rank 0's files
+        return Path(cfg.run.output_dir).expanduser().resolve()
+    run_dir, found, changes = _check_run_dir(cfg, overwrite, resume)
+    if found == "run" and (resume or cfg.run.resume == "auto"):
+        if changes:  # config.yaml is rewritten once the checkpoint is loaded
+            shown = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+            print(f"warning: resuming {run_dir} with changed settings, applied from here on: "
+                  f"{shown}", file=sys.stderr)
+        return run_dir
+    rundir.prepare(run_dir, rundir.RUN_LAYOUT, found)
+    save_config(cfg, run_dir / "config.yaml")
+    return run_dir
+
+
+def apply_lora(model: torch.nn.Module, lora, task_type: str | None, key: str):
+    """Wrap ``model`` with peft LoRA adapters; the base weights are frozen. With
+    ``lora.merged_passes`` its no-grad passes may run on merged weights (`rlpipe.core.models.lora`).
+    ``key``: the config key errors name (``models.actor.lora``)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules, task_type=task_type)
+    try:
+        with warnings.catch_warnings():  # peft reads an attribute transformers 5 deprecates
+            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+            model = get_peft_model(model, config)
+    except ValueError as exc:
+        raise UserError(f"{key}: {' '.join(str(exc).split())}") from exc
+    return allow_merging(model) if lora.merged_passes else model
+
+
+def merged_lora_copy(actor_cfg, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain model on CPU holding ``state`` (a LoRA actor's full state dict, gathered from its
+    shards) with the adapters merged: what ``final/`` exports when the training model is sharded
+    and cannot be copied and merged in place."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+
+    config = AutoConfig.from_pretrained(str(actor_cfg.path),
+                                        trust_remote_code=actor_cfg.trust_remote_code)
+    base = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[actor_cfg.dtype],
+                                            trust_remote_code=actor_cfg.trust_remote_code)
+    model = apply_lora(base, actor_cfg.lora, "CAUSAL_LM", "models.actor.lora")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {n for n in missing if n.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"merging the gathered LoRA state: missing {sorted(missing)[:3]}, "
+                           f"unexpected {sorted(unexpected)[:3]}")
+    return model.merge_and_unload().eval()
+
+
+def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models:
+    """Actor (LoRA optional), reference (a frozen copy of the initial actor, or the LoRA actor with
+    adapters disabled), and a critic when the advantage estimator needs one."""
+    actor_cfg, critic_cfg = cfg.models.actor, cfg.models.critic
+    trust = actor_cfg.trust_remote_code
+    tokenizer = load_tokenizer(actor_cfg.path, trust)
+    actor = load_causal_lm(actor_cfg.path, actor_cfg.init, actor_cfg.dtype, trust).to(device)
+    critic = None
+    if need_critic and not critic_cfg.shared_backbone:  # copied before any LoRA touches the actor
+        if critic_cfg.path is None:
+            critic = ValueModel.from_actor(actor)
+        elif critic_cfg.from_reward_model:  # backbone and head of the reward model (TRL)
+            critic = critic_from_reward_model(critic_cfg.path, tokenizer,
+                                              critic_cfg.trust_remote_code)
+        else:
+            critic = ValueModel.from_pretrained(critic_cfg.path, critic_cfg.init,
+                                                critic_cfg.trust_remote_code)
+        if critic_cfg.lora is not None:
+            critic.backbone = apply_lora(critic.backbone, critic_cfg.lora, None,
+                                         "models.critic.lora")
+        critic = critic.to(device).eval()
+    reference = frozen_copy(actor) if actor_cfg.lora is None else None
+    if actor_cfg.lora is not None:
+        actor = apply_lora(actor, actor_cfg.lora, "CAUSAL_LM", "models.actor.lora").eval()
+    if need_critic and critic_cfg.shared_backbone:
+        if critic_cfg.path is not None or critic_cfg.lora is not None:
+            raise UserError("models.critic.shared_backbone: the critic is the actor's backbone; "
+                            "do not also set models.critic.path or models.critic.lora")
+        critic = ValueModel.from_actor(actor, shared=True).to(device)
+    if actor_cfg.gradient_checkpointing:  # also covers a shared-backbone critic
+        enable_checkpointing(actor)
+    if critic is not None and critic_cfg.gradient_checkpointing:
+        enable_checkpointing(critic)
+    offload = _check_offload(cfg, reference)
+    if offload:
+        reference.to("cpu")  # it visits `device` only inside Models.reference()
+    autocast = {"none": None, "bfloat16": torch.bfloat16}[cfg.models.autocast]
+    # one process: under FSDP2 a backbone called alone skips its root's unshard, and a block's
+    # KV cache is not among the outputs FSDP2 hooks to unshard the block again for backward
+    shared = cfg.models.shared_prefix and cfg.distributed.nproc == 1
+    return Models(actor, reference, critic, tokenizer, device if offload else None, autocast,
+                  shared, cfg.models.packed)
+
+
+def _check_offload(cfg: Config, reference) -> bool:
+    """Whether to offload the frozen reference; names the setting that rules it out."""
+    if not cfg.models.reference.offload:
+        return False
+    if reference is None:
+        raise UserError("models.reference.offload: a LoRA actor's reference is the actor itself "
+                        "with its adapters disabled; there is no copy to offload")
+    if cfg.distributed.nproc > 1:
+        raise UserError("models.reference.offload is for one process; with distributed.nproc > 1 "
+                        "use distributed.shard_frozen: true to spread the reference instead")
+    return True
+
+
+def shard_models(models: Models, cfg: Config) -> None:
+    """FSDP2-shard actor, critic and (``distributed.shard_frozen``) the frozen reference in place."""
+
+    if cfg.models.critic.shared_backbone:
+        raise UserError("models.critic.shared_backbone is not supported with distributed.nproc > 1")
+    bf16 = cfg.distributed.bf16
+    shard(models.actor, bf16)
+    if models.critic is not None:
+        shard(models.critic, bf16)
+    if models.frozen_reference is not None and cfg.distributed.shard_frozen:
+        shard(models.frozen_reference, bf16)
+
+
+@dataclass
+class Plugins:
+    collector: object
+    rewards: RewardComposer
+    advantage: torch.nn.Module
+    loss: torch.nn.Module
+
+
+def _make(group: str, section, ctx: RunContext, where: str):
+    """The plugin instance, tagged with ``where (group:name (distribution version))`` so that
+    errors in its later calls name it (`registry.call`). The plugin is the one `load_config`
+    resolved for ``section``."""
+    plugin = resolve_plugin(section, group)
+    label = f"{where} ({plugin.spec.label})"
+    if isinstance(plugin.spec, compose.ObjectSpec):  # a stage given as a Python object
+        return compose.make(plugin.spec, ctx, label)
+    return registry.instantiate(plugin.obj, references.plugin_args(section), ctx, label)
+
+
+def build_plugins(cfg: Config, ctx: RunContext) -> Plugins:
+    collector = _make("collectors", cfg.collector, ctx, "collector")
+    ctx.max_new_tokens = collector_max_new_tokens(collector)
+    parts = [(r.key, r.weight, _make("rewards", r, ctx, f"rewards.{i}"))
+             for i, r in enumerate(cfg.rewards)]
+    advantage = _make("advantages", cfg.advantage, ctx, "advantage")
+    loss = _make("losses", cfg.loss, ctx, "loss")
+    rewards = RewardComposer(parts, clip=cfg.reward.clip, normalize=cfg.reward.normalize)
+    return Plugins(collector, rewards.to(ctx.device), advantage.to(ctx.device), loss.to(ctx.device))
+
+
+def needs_critic(cfg: Config) -> bool:
+    """Critic-free estimators declare ``needs_critic = False``; no critic is built or trained then
+    (the default, True, is in `registry.DECLARED`). Read from the advantage as it runs: the
+    object given to `Pipeline`, or the class its section names."""
+    advantage = resolve_plugin(cfg.advantage, "advantages").obj
+    return bool(registry.declared("advantages", advantage, "needs_critic"))
+
+
+def load_run_data(cfg, dataset=None) -> tuple[PromptData, PromptData | None]:
+    """The training data (``dataset``, else ``data.prompts``) and the held-out data
+    (``eval.prompts``, or None), checked before any model is built."""
+    d, e = cfg.data, cfg.eval
+    if dataset is None and d.prompts is None:
+        raise UserError("data.prompts: required (a file, a folder or a Hub dataset name), or "
+                        "pass dataset= to Pipeline(...) / train(...) in Python")
+    source, key = (d.prompts, "data.prompts") if dataset is None else (dataset, "dataset")
+    data = load_prompt_data(source, d.split, d.prompt_key, key)
+    held_out = None if e.prompts is None else load_prompt_data(e.prompts, e.split, e.prompt_key,
+                                                                "eval.prompts")
+    for found in filter(None, (data, held_out)):
+        if found.chat and collector_arg(cfg, "chat_template")[0] is True:
+            raise UserError(f"collector.chat_template: the prompts of {found.source} are chat "
+                            f"messages, which rlpipe already applies through the chat template; "
+                            f"set collector.chat_template: false")
+    if len(data) < d.batch_size:
+        print(f"warning: {key} has {len(data)} prompt(s), fewer than data.batch_size="
+              f"{d.batch_size}: prompts repeat within a step", file=sys.stderr)
+    return data, held_out

@@ -1,0 +1,350 @@
+"""The PPO loop: one TensorDict passes through the stages of each step, top to bottom.
+
+    prompts -> 1. collect -> 2. log-probs/values -> 3. rewards -> 4. KL shaping
+            -> 5. advantage -> 6. PPO epochs -> 7. weight sync -> 8. metrics
+
+One PPO step of the tiny example (a few seconds on CPU):
+
+>>> import shutil, tempfile
+>>> from rlpipe import load_config, train
+>>> tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "config.yaml"  # a checkout
+>>> out = Path(tempfile.mkdtemp()) / "tiny"
+>>> run_dir = train(load_config(tiny, ["run.steps=1", f"run.output_dir={out}"]), progress=False)
+>>> run_dir == out, sorted(p.name for p in out.iterdir())
+(True, ['.rlpipe-run', 'config.yaml', 'final', 'metrics.jsonl', 'samples'])
+>>> shutil.rmtree(out.parent)
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from rlpipe.core.run import build, checkpoint, oom, preflight
+from rlpipe.core.run.callbacks import Hooks, default_callbacks
+from rlpipe.core.config import compose
+from rlpipe.core.observe import console, samples
+from rlpipe.core.models import distributed
+from rlpipe.core.contracts import guards, registry
+from rlpipe.core.step import kl
+from rlpipe.core.base import schema
+from rlpipe.core.step import rollout_correction as correction
+from rlpipe.core.config.settings import Config
+from rlpipe.core.base.context import RunContext
+from rlpipe.core.contracts.collector import (close_collector, collector_temperature, collector_truncation,
+                                   request_actor_log_prob, request_hidden)
+from rlpipe.core.models.critic_start import CriticWarmup
+from rlpipe.core.data.streams import PromptStream
+from rlpipe.core.models.cpu_memory import keep_freed_memory
+from rlpipe.core.models.denormals import flush_denormals
+from rlpipe.core.step.evaluation import Evaluator, eval_collector
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.observe.metrics import to_float
+from rlpipe.core.models.lm import (cpu_has_bf16, logprobs_and_values, response_logprobs,
+                                response_values)
+from rlpipe.core.base.ops import masked_mean
+from rlpipe.core.data.prompts import check_reward_columns
+from rlpipe.core.run.run_state import RunState
+from rlpipe.core.step.update import Updater
+
+S = schema
+_INPUTS = (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)
+
+
+class Pipeline(RunState):
+    """Builds everything a run needs from a `Config`; `train()` runs ``run.steps`` PPO steps.
+
+    ``resume=True`` (or ``run.resume: auto``) continues from the newest complete checkpoint.
+    ``collector``, ``rewards``, ``advantage``, ``loss``: stage objects that replace the config's
+    sections (`rlpipe.core.config.compose`); ``dataset`` (a `datasets.Dataset`) replaces ``data.prompts``.
+    """
+
+    @console.quiet_libraries()  # transformers' own bars would cut through rlpipe's lines
+    @oom.explains
+    def __init__(self, cfg: Config, overwrite: bool = False, progress: bool = True,
+                 resume: bool = False, *, dataset=None, collector=None, rewards=None,
+                 advantage=None, loss=None):
+        cfg = compose.apply(cfg, collector=collector, rewards=rewards, advantage=advantage, loss=loss)
+        self.cfg, self.progress = cfg, progress and cfg.log.progress
+        self.resume = resume or cfg.run.resume == "auto"
+        self.data, self.eval_data = build.load_run_data(cfg, dataset)  # bad data fails before models
+        build.seed_everything(cfg.run.seed)
+        self.dist, device_name = distributed.init(cfg.run.device, cfg.distributed.timeout_s)
+        self.device = build.resolve_device(device_name)
+        flush_denormals(cfg.run.flush_denormals)  # x86 runs arithmetic on denormals 10-50x slower
+        keep_freed_memory(cfg.run.keep_freed_memory)  # no page faults for a reused large tensor
+        self.run_dir = build.prepare_run_dir(cfg, overwrite, self.resume, self.dist.is_main)
+        self.dist.barrier()  # the run directory exists for every rank from here on
+        self.status = console.Status(self.dist.is_main)
+        with self.status.phase(f"loading models from {cfg.models.actor.path} on {self.device}") as took:
+            self.models = build.build_models(cfg, self.device, build.needs_critic(cfg))
+        for line in console.describe_models(self.models, took()):
+            self.status.say(line)
+        if self.dist.enabled:
+            if cfg.data.batch_size < self.dist.world:
+                raise UserError(f"data.batch_size={cfg.data.batch_size} gives some of the "
+                                f"{self.dist.world} processes no prompt; raise it")
+            build.shard_models(self.models, cfg)
+            build.seed_everything(cfg.run.seed + self.dist.rank)  # a sampling stream per rank
+        self.ctx = RunContext(tokenizer=self.models.tokenizer, actor=self.models.actor,
+                              device=self.device, seed=cfg.run.seed, run_dir=self.run_dir,
+                              shared_prefix=self.models.shared_prefix)
+        names = ", ".join([cfg.collector.name, *(r.key for r in cfg.rewards), cfg.advantage.name,
+                           cfg.loss.name])
+        with self.status.phase(f"building plugins ({names})") as took:
+            self.plugins = build.build_plugins(cfg, self.ctx)
+        self.status.say(f"plugins ready in {took():.1f} s")
+        self.temperature = collector_temperature(self.plugins.collector)
+        self.truncation = collector_truncation(self.plugins.collector)  # score_truncated
+        self.old_from_sampling = self._old_log_prob_from_sampling()
+        self.collected_keys = (*_INPUTS, S.GROUP_ID, S.FINISHED,
+                               *([S.ACTOR_LOG_PROB] if self.old_from_sampling else []))
+        if self.old_from_sampling:
+            self.status.say("old log-probs: from the sampling pass (no actor forward in scoring; "
+                            "rollout_correction.old_log_prob)")
+        if self.models.autocast is not None:
+            slow = self.device.type == "cpu" and not cpu_has_bf16()
+            self.status.say("autocast: actor, critic and reference compute in bfloat16 (weights, "
+                            "gradients and optimizer state stay float32; models.autocast)" +
+                            ("; this CPU has no bf16 instructions (AVX512-BF16, AMX): torch "
+                             "emulates them, far slower than float32" if slow else ""))
+        # no actor forward in scoring + a critic on the actor's backbone: rollout values from the
+        # sampling pass's own hidden states (no backbone forward at all), where offered
+        critic = self.models.critic
+        self.values_from_rollout = ((cfg.rollout_correction.mode == "bypass" or self.old_from_sampling)
+                                    and critic is not None and critic.shared and not self.dist.enabled
+                                    and request_hidden(self.plugins.collector))
+        self.data.use_tokenizer(self.models.tokenizer)
+        check_reward_columns(self.plugins.rewards, self.data, "data.prompts")
+        self.prompts = PromptStream(list(range(len(self.data))), cfg.data.batch_size,
+                                    cfg.data.shuffle, cfg.run.seed)
+        origin = cfg.data.prompts if dataset is None else "the dataset= object"
+        self.status.say(f"data: {len(self.prompts.prompts)} prompts from {origin}, "
+                        f"{cfg.data.batch_size} per step")
+        self.evaluator = None
+        if self.eval_data is not None:
+            self.eval_data.use_tokenizer(self.models.tokenizer)
+            check_reward_columns(self.plugins.rewards, self.eval_data, "eval.prompts")
+            sampler, own_engine = eval_collector(cfg, self.ctx, self.plugins.collector)
+            self.evaluator = Evaluator(cfg, self.eval_data, sampler, self.plugins.rewards,
+                                       self.dist, self.device, self.run_dir, self.models.compute,
+                                       own_engine)
+        self.kl_ctl = (kl.AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
+                       if cfg.kl.target is not None else kl.FixedKLController(cfg.kl.coef))
+        self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device,
+                               self.dist, self.truncation)
+        self.critic_warmup = CriticWarmup(cfg.train, self.models.critic is not None)
+        self.step_count = 0
+        self.stopped_by: str | None = None  # the health rule (health.stop_on) that stopped train()
+
+    def _old_log_prob_from_sampling(self) -> bool:
+        """``rollout_correction.old_log_prob``: True when old_log_prob is the collector's
+        ``actor_log_prob`` (the sampling pass's own logits) instead of a no-grad actor forward."""
+        section = self.cfg.rollout_correction
+        dtype = next(self.models.actor.parameters()).dtype   # also for a model object handed in
+        exact = (dtype == torch.float32 and not self.cfg.distributed.bf16   # float32 round-off
+                 and self.models.autocast is None)
+        if section.mode != "none" or section.old_log_prob == "recompute" or (
+                section.old_log_prob == "auto" and not exact):
+            return False
+        collector = self.plugins.collector
+        if request_actor_log_prob(collector, self.temperature, self.truncation):
+            return True
+        if section.old_log_prob == "sampling":
+            raise UserError(f"rollout_correction.old_log_prob: sampling needs a collector that "
+                            f"writes actor_log_prob, and {registry.label_of(collector)} declares "
+                            f"no record_actor_log_prob; use auto or recompute")
+        return False
+
+    def _check(self, td: TensorDict, keys, where: str) -> None:
+        if self.cfg.run.debug:
+            schema.validate(td, keys, where)
+
+    @torch.no_grad()
+    def _score_tokens(self, td: TensorDict) -> None:
+        """old_log_prob, ref_log_prob and value for every response token, in micro-batches.
+        With ``rollout_correction.mode: bypass`` old_log_prob is the engine's, and where
+        ``old_from_sampling`` the collector's ``actor_log_prob``: no actor forward (and with a
+        shared-backbone critic, the values come from the rollout's hidden states)."""
+        m = self.models
+        chunks = [[c[k] for k in _INPUTS] for c in td.split(self.cfg.train.forward_batch_size)]
+        bypass = self.cfg.rollout_correction.mode == "bypass"
+        if bypass or self.old_from_sampling:
+            logp = td[S.ENGINE_LOG_PROB] if bypass else td.pop(S.ACTOR_LOG_PROB)
+            td[S.OLD_LOG_PROB] = logp.float() * td[S.RESPONSE_MASK]
+            values = []
+            if self.values_from_rollout and S.ENGINE_HIDDEN in td.keys():
+                # V(s_t) = head(the hidden state the rollout drew token t from)
+                hidden = td.pop(S.ENGINE_HIDDEN).to(m.critic.head.weight.dtype)
+                values = [m.critic.values(hidden) * td[S.RESPONSE_MASK]]
+            elif m.critic is not None:
+                values = [response_values(m.critic, *c, shared_prefix=m.shared_prefix,
+                                          packed=m.packed)
+                          for c in chunks]
+        else:
+            outs = [logprobs_and_values(m.actor, m.critic, c, self.temperature,
+                                        truncation=self.truncation, shared_prefix=m.shared_prefix,
+                                        packed=m.packed)
+                    for c in chunks]
+            td[S.OLD_LOG_PROB] = torch.cat([logp for logp, _, _ in outs])
+            values = [v for _, _, v in outs] if m.critic is not None else []
+        td[S.VALUE] = torch.cat(values) if values else torch.zeros_like(td[S.OLD_LOG_PROB])
+        with m.reference() as reference:  # one visit of an offloaded reference per step
+            td[S.REF_LOG_PROB] = torch.cat([
+                response_logprobs(reference, *c, self.temperature, shared_prefix=m.shared_prefix,
+                                  packed=m.packed)[0]
+                for c in chunks])
+
+    def _engine_gap(self, batch: TensorDict) -> dict:
+        """Mean |engine log-prob - trainer log-prob| over response tokens, when the collector
+        reports engine log-probs (not with bypass: no trainer log-probs): the canary for stale
+        or wrongly synced weights."""
+        if S.ENGINE_LOG_PROB not in batch.keys() or self.cfg.rollout_correction.mode == "bypass":
+            return {}
+        gap = (batch[S.ENGINE_LOG_PROB] - batch[S.OLD_LOG_PROB]).abs()
+        return {"collector/logprob_gap": to_float(masked_mean(gap, batch[S.RESPONSE_MASK]))}
+
+    def _shape_reward(self, batch: TensorDict) -> tuple[torch.Tensor, float, float]:
+        """Write ``reward`` (stage 4); the per-token KL [B, R] (0 on padding), the KL
+        controller's coefficient, and the part of it that goes to the loss."""
+        mask, cfg = batch[S.RESPONSE_MASK], self.cfg.kl
+        kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], cfg.estimator,
+                                 cfg.clamp) * mask
+        guards.check_kl(batch, kl_tok, cfg.estimator)
+        coef = self.kl_ctl.value
+        reward_coef, loss_coef = kl.split_coef(cfg.in_, coef)
+        batch[S.REWARD] = kl.shape_reward(batch[S.SCORE], kl_tok, mask, reward_coef)
+        return kl_tok, coef, loss_coef
+
+    @oom.explains
+    def step(self) -> tuple[TensorDict, dict]:
+        """One PPO step; returns the batch and the step's metrics."""
+        t0 = time.perf_counter()
+        # 1. collect: sample responses for this rank's share of a batch of prompts
+        self.models.actor.eval()
+        rows = self.dist.share(self.prompts.next_batch())
+        collector = self.plugins.collector  # plugin calls: an error names the plugin
+        with self.models.compute():  # models.autocast (the HF collector runs the actor)
+            batch = guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
+                                        collector, required=self.collected_keys)
+        batch = batch.to(self.device)
+        self.data.attach(batch, rows)  # ("data", COLUMN) of each sample's prompt row
+        self._check(batch, self.collected_keys, "collector")
+        correction.require_engine_log_prob(batch, self.cfg.rollout_correction.mode, collector)
+        t_rollout = time.perf_counter() - t0
+        # 2. log-probs of the sampling policy and the reference, values of the critic
+        with self.models.compute():
+            self._score_tokens(batch)
+        # 3. rewards: every reward plugin, weighted and summed into the sequence score
+        self.plugins.rewards(batch)
+        t_score = time.perf_counter() - t0 - t_rollout
+        self._check(batch, [S.OLD_LOG_PROB, S.REF_LOG_PROB, S.VALUE, S.SCORE], "rewards")
+        batch = self.dist.gather(batch)  # every rank now holds the whole scored rollout
+        mask, engine_gap = batch[S.RESPONSE_MASK], self._engine_gap(batch)
+        # rollout correction: weights pi_old / pi_engine for the loss (tis, mis), rollout/* metrics
+        rollout_metrics = correction.apply(batch, self.cfg.rollout_correction)
+        # 4. KL shaping: score on the last valid token, -beta * KL on every token (kl.in: reward;
+        #    with kl.in: loss beta goes to the loss in stage 6)
+        kl_tok, coef, loss_coef = self._shape_reward(batch)
+        # 5. advantage and value targets
+        advantage = self.plugins.advantage
+        batch = guards.check_output(registry.call(advantage, batch), advantage,
+                                    (S.ADVANTAGE, S.VALUE_TARGET), required=(S.ADVANTAGE,))
+        self._check(batch, [S.REWARD, S.ADVANTAGE, S.VALUE_TARGET], "advantage")
+        # 6. PPO epochs over minibatches (the critic alone during critic warm-up)
+        t1 = time.perf_counter()
+        warmup = self.critic_warmup.active(self.step_count)
+        update_metrics = self.updater.update(batch, train_actor=not warmup, kl_coef=loss_coef)
+        self.critic_warmup.observe(update_metrics)
+        t_update = time.perf_counter() - t1
+        # 7. weight sync: push the updated actor to the generation engine
+        registry.call(self.plugins.collector.sync_weights, self.models.actor)
+        seq_kl = to_float(kl_tok.sum(-1).mean())
+        self.kl_ctl.update(seq_kl, batch.batch_size[0])
+        self.step_count += 1
+        # 8. metrics
+        elapsed = time.perf_counter() - t0
+        metrics = {
+            "reward/score": to_float(batch[S.SCORE]),
+            **{f"reward/{k}": to_float(v) for k, v in batch[S.SCORE_PARTS].items()},
+            "kl/ref": seq_kl, "kl/coef": coef, **engine_gap, **rollout_metrics, **update_metrics,
+            "train/critic_only": int(warmup),
+            **samples.step_stats(batch, kl_tok, self.ctx.max_new_tokens, self.models.critic is not None),
+            "response/length": to_float(mask.sum(-1).float()),
+            "response/finished_frac": to_float(batch[S.FINISHED].float()),
+            "perf/tokens_per_s": float(mask.sum()) / elapsed,
+            "time/rollout_s": t_rollout, "time/score_s": t_score, "time/update_s": t_update,
+            "time/step_s": elapsed,
+        }
+        return batch, metrics
+
+    @oom.explains
+    @console.quiet_libraries()
+    def train(self, callbacks: list | None = None) -> Path:
+        """Run the remaining steps with `default_callbacks` (metrics, samples, evaluation, health,
+        checkpoints) and ``callbacks`` after them, then save the final policy. Resuming a run
+        whose ``final/`` is at ``run.steps`` already says so and trains nothing. A callback that
+        sets ``stopped_by`` (health, for ``health.stop_on``) stops the run after a checkpoint,
+        without ``final/``."""
+        if self.resume:
+            done = build.finished_message(self.cfg, resume=True)
+            if done:
+                print(done)
+                return self.run_dir
+            self._restore()
+        with Hooks(self, [*default_callbacks(self), *(callbacks or [])]) as hooks:
+            if self.step_count == 0:
+                hooks.step_end(None, {"step": 0})  # before any update: evaluation's row
+            while self.step_count < self.cfg.run.steps and self.stopped_by is None:
+                batch, metrics = self.step()
+                hooks.step_end(batch, {"step": self.step_count, **metrics})
+        if self.stopped_by is None:
+            self.save_final()
+        elif self.dist.is_main:
+            print(f"health: run stopped after step {self.step_count}: {self.stopped_by} is in "
+                  f"health.stop_on; checkpoint {checkpoint.latest(self.run_dir)} written, no "
+                  f"final/; change the settings and continue with --resume", file=sys.stderr)
+        close_collector(self.plugins.collector)  # e.g. stop a vLLM engine
+        if self.evaluator is not None:
+            close_collector(self.evaluator.collector)
+        return self.run_dir
+
+
+def train(cfg: Config, overwrite: bool = False, progress: bool = True, resume: bool = False,
+          callbacks: list | None = None, **stages) -> Path:
+    """Train with ``cfg``; returns the run directory (``config.yaml``, ``metrics.jsonl``, ``final/``).
+    ``stages``: ``dataset`` and stage objects, as for `Pipeline`; ``callbacks``: your own
+    `rlpipe.core.run.callbacks.Callback` objects, run after the built-in ones."""
+    return Pipeline(cfg, overwrite=overwrite, progress=progress, resume=resume,
+                    **stages).train(callbacks)
+
+
+def check_config(cfg, echo=print) -> preflight.Mismatch:
+    """``rlpipe check``: build the whole run of ``cfg`` in one process (a distributed config's
+    ``nproc`` and ``nnodes`` set to 1, with a warning), in a temporary run directory (removed
+    after), and `rlpipe.core.run.preflight.check` it."""
+    world = cfg.distributed.nproc * cfg.distributed.nnodes
+    if world > 1:   # the check is one process; the sharded run's own is run.preflight
+        print(f"warning: rlpipe check builds the run in one process and leaves out "
+              f"distributed.nproc={cfg.distributed.nproc}, nnodes={cfg.distributed.nnodes}; for "
+              f"the preflight of the sharded run, use rlpipe run CONFIG run.preflight=true",
+              file=sys.stderr)
+        cfg = replace(cfg, distributed=replace(cfg.distributed, nproc=1, nnodes=1))
+    folder = Path(tempfile.mkdtemp(prefix="rlpipe-check-"))
+    cfg = replace(cfg, run=replace(cfg.run, output_dir=str(folder / "run"), resume="never"))
+    try:
+        pipe = Pipeline(cfg, progress=False)
+        try:
+            with oom.explained(cfg):   # running out of memory is one line, as in `rlpipe run`
+                return preflight.check(pipe, echo)
+        finally:
+            close_collector(pipe.plugins.collector)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,159 @@
+"""Held-out evaluation: the policy answers the ``eval.prompts`` (greedy by default) at step 0,
+every ``eval.every`` steps and after the last step; the reward plugins score the answers.
+
+Metrics join that step's row of ``metrics.jsonl``: ``eval/score`` (weighted sum of the parts,
+clipped by ``reward.clip``, never normalised), ``eval/reward/<label>`` (each part's mean),
+``eval/response/length`` and ``time/eval_s``. Each evaluation's samples go to
+``RUN_DIR/samples/eval-step-N.jsonl`` (prompt, response, score, parts, data columns, in row order).
+
+Evaluation never touches the training state: it samples at ``temperature: eval.temperature``,
+one answer per prompt, from the training collector's ``sampling_view`` where the collector offers
+one (``vllm``: the same engine, no second one), else from its own collector instance (the
+training collector's arguments with those two changed), under a forked torch RNG (seeded
+``run.seed + step``) and a restored Python RNG, and the reward statistics of ``reward.normalize``
+do not see it. A run with evaluation logs the same training metrics as one without (with
+``hf``; a ``vllm`` engine's draws depend on its history, so its runs do not repeat anyway).
+
+>>> Evaluator.due(every=0, step=3, last=10), Evaluator.due(every=5, step=5, last=12)
+(False, True)
+>>> [s for s in range(13) if Evaluator.due(every=5, step=s, last=12)]
+[0, 5, 10, 12]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from rlpipe.core.contracts import guards, registry
+from rlpipe.core.base import schema as S
+from rlpipe.core.contracts.collector import sampling_view
+from rlpipe.core.config.checks import resolve_plugin
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.data.prompts import PromptData
+from rlpipe.core.contracts.reward_fn import batch_texts
+
+SAMPLES_DIR = "samples"
+
+
+def eval_collector(cfg, ctx, training=None):
+    """``(collector, own_engine)``: the training collector's ``sampling_view(eval.temperature,
+    1)`` where it offers one (``own_engine`` False: the pipeline keeps that engine's weights
+    current); else its plugin and arguments with ``temperature: eval.temperature`` and ``n: 1``,
+    a second instance, so the training collector's state is never touched."""
+    view = None if training is None else sampling_view(training, cfg.eval.temperature, 1)
+    if view is not None:
+        return view, False
+    plugin = resolve_plugin(cfg.collector, "collectors")
+    params = registry.init_params(plugin.obj)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    missing = [k for k in ("temperature", "n") if k not in params and not takes_any]
+    if missing:
+        raise UserError(f"eval: collector {plugin.spec.label} takes no {' or '.join(missing)} "
+                        f"argument, which evaluation sets; remove the eval section")
+    args = {**cfg.collector.args, "temperature": cfg.eval.temperature, "n": 1}
+    return registry.instantiate(plugin.obj, args, ctx, f"eval collector ({plugin.spec.label})"), True
+
+
+def _chunks(rows: list[int], count: int) -> list[list[int]]:
+    """``rows`` in ``count`` contiguous, non-empty parts of near-equal size."""
+    size, extra = divmod(len(rows), count)
+    out, start = [], 0
+    for i in range(count):
+        end = start + size + (i < extra)
+        out.append(rows[start:end])
+        start = end
+    return out
+
+
+class Evaluator:
+    """Runs the evaluation of one run: `run` at the steps `due` names."""
+
+    def __init__(self, cfg, data: PromptData, collector, rewards, dist, device, run_dir: Path,
+                 compute=contextlib.nullcontext, own_engine: bool = True):
+        self.cfg, self.data, self.collector, self.rewards = cfg.eval, data, collector, rewards
+        self.own_engine = own_engine  # False: a sampling view, whose weights the pipeline syncs
+        self.compute = compute  # the context the actor's forwards run in (`Models.compute`)
+        self.dist, self.device, self.seed = dist, device, cfg.run.seed
+        self.samples_dir = Path(run_dir) / SAMPLES_DIR
+        n = len(data) if cfg.eval.max_prompts is None else min(len(data), cfg.eval.max_prompts)
+        if n < dist.world:
+            raise UserError(f"eval.prompts: {n} prompt(s) for {dist.world} processes; give at "
+                            f"least one per process")
+        share = list(range(n))[dist.rank::dist.world]
+        biggest, smallest = -(-n // dist.world), n // dist.world
+        count = min(-(-biggest // cfg.eval.batch_size), smallest)  # same count on every rank
+        self.parts = _chunks(share, count)
+
+    @staticmethod
+    def due(every: int, step: int, last: int) -> bool:
+        """Step 0, every ``every`` steps (0: none between), and the last step."""
+        return step == 0 or step == last or (every > 0 and step % every == 0)
+
+    def run(self, step: int, actor) -> dict[str, float]:
+        """Evaluate the current ``actor``; the metrics (same on every rank), and the samples file
+        written by rank 0."""
+        t0 = time.perf_counter()
+        devices = [self.device] if self.device.type == "cuda" else []
+        python_rng = random.getstate()
+        try:
+            with torch.random.fork_rng(devices=devices), self.compute():
+                torch.manual_seed(self.seed + step)
+                if self.own_engine:
+                    registry.call(self.collector.sync_weights, actor)
+                local = [s for rows in self.parts for s in self._samples(rows)]
+        finally:
+            random.setstate(python_rng)
+        samples = sorted((s for part in self.dist.gather_object(local) for s in part),
+                         key=lambda s: s["row"])
+        if self.dist.is_main:
+            self._write(step, samples)
+        return {**self._metrics(samples), "time/eval_s": time.perf_counter() - t0}
+
+    def _samples(self, rows: list[int]) -> list[dict]:
+        """Generate and score one chunk; one plain dict per sample."""
+        collector = self.collector
+        batch = guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
+                                    collector, required=(S.RESPONSE_IDS, S.RESPONSE_MASK,
+                                                         S.GROUP_ID, S.FINISHED))
+        batch = batch.to(self.device)
+        self.data.attach(batch, rows)
+        self.rewards.evaluate(batch)
+        labels = self.rewards.labels
+        columns = {c: batch_texts(batch, (S.DATA, c)) for c in self.data.columns}
+        groups = batch[S.GROUP_ID].tolist()
+        score, length = batch[S.SCORE].tolist(), batch[S.RESPONSE_MASK].sum(-1).tolist()
+        parts = {k: batch[S.SCORE_PARTS, k].tolist() for k in labels}
+        prompts, responses = batch_texts(batch, S.PROMPT_TEXT), batch_texts(batch, S.RESPONSE_TEXT)
+        return [{"row": rows[g], "prompt": prompts[i], "response": responses[i],
+                 "score": score[i], "rewards": {k: parts[k][i] for k in labels},
+                 "length": length[i], "finished": bool(batch[S.FINISHED][i]),
+                 "data": {c: v[i] for c, v in columns.items()}}
+                for i, g in enumerate(groups)]
+
+    def _metrics(self, samples: list[dict]) -> dict[str, float]:
+        def mean(values):
+            values = list(values)
+            return sum(values) / len(values) if values else math.nan
+
+        return {"eval/score": mean(s["score"] for s in samples),
+                **{f"eval/reward/{k}": mean(s["rewards"][k] for s in samples)
+                   for k in self.rewards.labels},
+                "eval/response/length": mean(s["length"] for s in samples)}
+
+    def _write(self, step: int, samples: list[dict]) -> None:
+        self.samples_dir.mkdir(exist_ok=True)
+        path = self.samples_dir / f"eval-step-{step}.jsonl"
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                for s in samples:
+                    f.write(json.dumps({"step": step, **s}, default=str) + "\n")
+        except OSError as exc:
+            raise UserError(f"cannot write {path} ({exc}); continue with --resume once there "
+                            f"is space") from exc

@@ -1,0 +1,346 @@
+"""Stage 6 of the loop: PPO epochs over a rollout batch.
+
+K epochs x shuffled minibatches (one optimizer step each) x gradient-accumulation micro-batches.
+Losses are normalised by the token and sequence counts of the whole minibatch (``num_tokens``,
+``num_seqs`` in every micro-batch), so the micro-batch split does not change the gradient. A
+minibatch whose loss or gradient is not finite is skipped; ``train.max_bad_steps`` in a row stop
+the run. What the trainer computes for the loss, and how the loss's metrics reduce, is the loss's
+declared `rlpipe.core.step.loss.LossContract`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from tensordict import TensorDict
+
+from rlpipe.core.step import optim
+from rlpipe.core.contracts import guards, registry
+from rlpipe.core.step import kl
+from rlpipe.core.base import schema
+from rlpipe.core.data.streams import PtxStream
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.step.loss import (LossContract, add_parts, contract_of, exceeds, finish,
+                              micro_parts)
+from rlpipe.core.models.lm import checkpointing, logprobs_and_values, response_values
+from rlpipe.core.models.distributed import Dist
+
+S = schema
+
+
+class TrainingDiverged(UserError):
+    """Too many consecutive non-finite losses or gradients; the last checkpoint is left intact."""
+
+
+class Updater:
+    """Owns the optimizers and schedulers of actor and critic and runs the PPO update."""
+
+    def __init__(self, cfg, models, loss, temperature: float, device: torch.device, dist=None,
+                 truncation=None):
+        t = cfg.train
+        self.contract = _checked_contract(cfg, models, loss)  # first: a mistake costs nothing
+        self.cfg, self.models, self.loss = cfg, models, loss
+        self.temperature, self.device, self.dist = temperature, device, dist or Dist()
+        self.truncation = truncation  # score under the sampler's top-k/top-p (score_truncated)
+        self.params = {"actor": optim.trainable(models.actor)}
+        if models.critic is not None:  # a shared backbone is stepped by the actor's optimizer
+            self.params["critic"] = optim.trainable(models.critic, exclude=models.actor)
+        lrs = {"actor": t.lr, "critic": t.critic_lr}
+        self.opts = {k: optim.make_optimizer(p, lrs[k], t.weight_decay) for k, p in self.params.items()}
+        self.ptx = PtxStream(cfg.ptx, models.tokenizer, dist) if cfg.ptx.coef > 0 else None
+        self.scheds = {k: optim.make_scheduler(o, cfg) for k, o in self.opts.items()}
+        self.shuffle = torch.Generator().manual_seed(cfg.run.seed)
+        self.bad_in_a_row = 0
+        self.bad_terms: list[str] = []  # non-finite loss_* entries of this minibatch
+        self.grad_norms: dict[str, list[float]] = {}  # pre-clip norms of this step's optimizer steps
+
+    def _micro_step(self, micro: TensorDict) -> TensorDict:
+        """Forward the current models on one micro-batch as the loss's contract asks, run the
+        loss, backward; return its output. With declared ``critic_terms`` and a critic of its
+        own: the actor's forward and backward, then the critic's (`LossContract.critic_terms`)."""
+        m, need = self.models, self.contract
+        inputs = [micro[k] for k in (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)]
+        split = bool(need.critic_terms) and m.critic is not None and not m.critic.shared
+        logp, entropy, values = logprobs_and_values(
+            m.actor, None if split else m.critic, inputs, self.temperature,
+            with_entropy=need.entropy != "none", entropy_grad=need.entropy == "grad",
+            truncation=self.truncation, shared_prefix=m.shared_prefix,
+            packed=m.packed)
+        micro[S.LOG_PROB] = logp
+        if entropy is not None:
+            micro[S.ENTROPY] = entropy
+        if values is not None:
+            micro[S.VALUE_PRED] = values
+        if split:  # the actor's terms now; value_pred stands in (its terms are dropped)
+            micro[S.VALUE_PRED] = micro[S.VALUE].detach()
+            actor_terms = [v for k, v in self._loss(micro).items()
+                           if k.startswith("loss_") and k not in need.critic_terms]
+            if actor_terms:
+                sum(actor_terms).backward()
+            micro[S.LOG_PROB] = logp.detach()   # same numbers: the metrics below are the joint's
+            if entropy is not None:
+                micro[S.ENTROPY] = entropy.detach()
+            micro[S.VALUE_PRED] = response_values(m.critic, *inputs, shared_prefix=m.shared_prefix,
+                                                  packed=m.packed)
+        out = self._loss(micro)
+        losses = [v for k, v in out.items() if k.startswith("loss_")]
+        self.bad_terms += [k for k, v in out.items() if k.startswith("loss_")
+                           and k not in self.bad_terms and guards.nonfinite(v)]
+        total = sum(losses)
+        (sum(out[k] for k in need.critic_terms if k in out.keys()) if split else total).backward()
+        out["loss_total"] = total.detach()
+        return out
+
+    def _loss(self, micro: TensorDict) -> TensorDict:
+        """The loss plugin's output on ``micro``, with the trainer's ``loss_kl`` where it adds it."""
+        need = self.contract
+        out = registry.call(self.loss, micro)  # an error in the plugin names it
+        terms = guards.loss_terms(out, self.loss)
+        if S.KL_COEF in micro.keys():  # kl.in: loss -- the KL penalty as a loss term
+            if not need.kl_term:  # the documented default: the trainer adds the shared term
+                out["loss_kl"] = kl.loss_term(micro[S.LOG_PROB], micro[S.REF_LOG_PROB],
+                                              micro[S.RESPONSE_MASK], micro[S.KL_COEF][0],
+                                              micro[S.NUM_TOKENS][0], self.cfg.kl.estimator,
+                                              self.cfg.kl.clamp)
+            elif "loss_kl" not in terms:
+                raise UserError(f"{registry.label_of(self.loss)} declares kl_term but wrote no "
+                                f"loss_kl with kl.in: loss")
+        return out
+
+    def _optimizer_step(self, train_actor: bool, loss_total: float) -> bool:
+        """Clip, check for non-finite values, step. Returns False when the minibatch was skipped."""
+        max_norm = self.cfg.train.max_grad_norm
+        names = [n for n in self.opts if n != "actor" or train_actor]
+        norms = [grad_norm(self.params[n], max_norm) for n in names]
+        norms = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in norms]  # FSDP
+        finite = math.isfinite(loss_total) and all(bool(torch.isfinite(x)) for x in norms)
+        if finite:
+            for name, norm in zip(names, norms):
+                self.grad_norms.setdefault(name, []).append(float(norm))
+            for name in names:
+                self.opts[name].step()
+                self.scheds[name].step()
+            self.bad_in_a_row = 0
+        else:
+            self.bad_in_a_row += 1
+            warnings.warn(f"non-finite loss or gradient: minibatch skipped "
+                          f"({self.bad_in_a_row} in a row)", RuntimeWarning, stacklevel=2)
+            if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
+                what = (f"non-finite {', '.join(self.bad_terms)}" if self.bad_terms else
+                        "non-finite loss" if not math.isfinite(loss_total) else "non-finite gradient")
+                raise TrainingDiverged(
+                    f"training diverged: {self.bad_in_a_row} consecutive minibatches with a "
+                    f"non-finite loss or gradient (last: {what}; loss plugin "
+                    f"{registry.label_of(self.loss)}); the last checkpoint is intact (lower "
+                    f"train.lr, set train.max_grad_norm, or check the rewards)")
+        for opt in self.opts.values():
+            opt.zero_grad(set_to_none=True)
+        self.bad_terms = []
+        return finite
+
+    def _minibatches(self, size: int):
+        """Global minibatch indices (the same permutation on every rank)."""
+        t, world = self.cfg.train, self.dist.world
+        mb_size = math.ceil(size / t.minibatches)
+        if size % t.minibatches or mb_size < world * t.grad_accum:
+            raise UserError(f"train.minibatches={t.minibatches} must divide the {size} samples of a "
+                            f"step into minibatches of at least distributed.nproc x "
+                            f"train.grad_accum = {world * t.grad_accum} samples")
+        return torch.randperm(size, generator=self.shuffle).split(mb_size)
+
+    def _minibatch(self, mb: TensorDict, kl_coef: float, train_actor: bool) -> tuple[dict, dict]:
+        """Forward/backward this rank's slice of one minibatch in ``grad_accum`` micro-batches.
+        Returns the summed ``loss_*`` entries and the summed parts of the other metrics
+        (`rlpipe.core.step.loss.micro_parts`)."""
+        t, d = self.cfg.train, self.dist
+        n = mb.batch_size[0]
+        # global counts / world: FSDP averages the ranks' gradients, we want their sum
+        mb[S.NUM_TOKENS] = (mb[S.RESPONSE_MASK].sum().float() / d.world).expand(n)
+        mb[S.NUM_SEQS] = (mb[S.RESPONSE_MASK].any(-1).sum().float() / d.world).expand(n)
+        if kl_coef:
+            mb[S.KL_COEF] = torch.full((n,), kl_coef, device=self.device)
+        local = mb[d.rank::d.world]
+        if t.grad_accum > 1 and S.GROUP_ID in local.keys():  # a prompt's samples in the same
+            # micro-batches share its tokens (core/models/prefix.py); the minibatch's sum is the same
+            local = local[local[S.GROUP_ID].argsort(stable=True)]
+        losses: dict[str, float] = {}
+        parts: dict[str, list[float]] = {}
+        who = registry.label_of(self.loss)
+        for part in torch.arange(len(local)).tensor_split(t.grad_accum):
+            micro = local[part.to(self.device)]
+            with self.models.compute():  # per micro-batch: its cast of the weights is current
+                out = self._micro_step(micro)
+            tokens = float(micro[S.RESPONSE_MASK].sum())
+            micro_losses, micro_metrics = micro_parts(out, self.contract, tokens,
+                                                      float(len(micro)), who)
+            for k, v in micro_losses.items():
+                losses[k] = losses.get(k, 0.0) + v
+            add_parts(parts, micro_metrics)
+        if self.ptx is not None and train_actor:  # PPO-ptx: LM loss on pretraining text
+            with self.models.compute():
+                ptx_loss = self.models.actor(**self.ptx.next_batch(self.device), use_cache=False).loss
+            (self.cfg.ptx.coef * ptx_loss).backward()
+            losses["loss_ptx"] = self.cfg.ptx.coef * float(ptx_loss)
+            losses["loss_total"] += losses["loss_ptx"]
+            losses["policy/ptx_loss"] = float(ptx_loss)
+        return losses, parts
+
+    def _epochs(self, batch: TensorDict, train_actor: bool, kl_coef: float):
+        """The epoch x minibatch loop. Returns the stepped minibatches' summed ``loss_*`` outputs
+        and metric parts, the optimizer steps done, the minibatches skipped, and whether
+        ``target_kl`` stopped the loop (on the loss's declared approx-KL metric)."""
+        t = self.cfg.train
+        losses: dict[str, float] = {}
+        parts: dict[str, list[float]] = {}
+        done, skipped = 0, 0
+        for _ in range(t.epochs):
+            for idx in self._minibatches(batch.batch_size[0]):
+                mb_losses, mb_parts = self._minibatch(batch[idx.to(self.device)], kl_coef,
+                                                     train_actor)
+                agreed = self._rank_mean({"loss": [mb_losses["loss_total"]],
+                                          **self._kl_parts(mb_parts)})
+                if self._optimizer_step(train_actor, agreed["loss"][0]):
+                    done += 1
+                    for k, v in mb_losses.items():
+                        losses[k] = losses.get(k, 0.0) + v
+                    add_parts(parts, mb_parts)
+                else:
+                    skipped += 1
+                if t.target_kl is not None and exceeds(
+                        agreed["kl"], self.contract.reduction(self.contract.approx_kl_metric),
+                        t.target_kl):
+                    return losses, parts, done, skipped, True
+        return losses, parts, done, skipped, False
+
+    def _kl_parts(self, mb_parts: dict) -> dict:
+        """``{"kl": parts}`` of the declared approx-KL metric when ``train.target_kl`` is set."""
+        if self.cfg.train.target_kl is None:
+            return {}
+        name = self.contract.approx_kl_metric
+        if name not in mb_parts:
+            raise UserError(f"train.target_kl: {registry.label_of(self.loss)} declares "
+                            f"approx_kl_metric {name!r} but did not write it")
+        return {"kl": mb_parts[name]}
+
+    def _rank_mean(self, parts: dict[str, list[float]]) -> dict[str, list[float]]:
+        """Every part averaged over ranks (the ratios `rlpipe.core.step.loss.finish` takes stay)."""
+        flat = self.dist.mean({f"{k}[{i}]": x for k, v in parts.items() for i, x in enumerate(v)})
+        return {k: [flat[f"{k}[{i}]"] for i in range(len(v))] for k, v in parts.items()}
+
+    def update(self, batch: TensorDict, train_actor: bool = True, kl_coef: float = 0.0) -> dict:
+        """Run the PPO epochs on ``batch`` (the global rollout; each rank trains on its slice of
+        every minibatch). ``kl_coef`` > 0 (``kl.in: loss``) adds the KL term to the loss. Returns
+        ``loss/*`` averaged over minibatches and the loss module's other metrics reduced as its
+        contract declares (token- or sequence-weighted over all micro-batches and ranks, or
+        pooled), so that neither depends on how the batch is split. Skipped (non-finite)
+        minibatches are left out of both, and of ``train/grad_norm`` and
+        ``train/critic_grad_norm``: the mean pre-clip gradient norms of the optimizer steps."""
+        self.grad_norms = {}
+        with checkpointing(self.models.actor, self.models.critic):  # no-op unless enabled
+            losses, parts, done, skipped, stopped = self._epochs(batch, train_actor, kl_coef)
+        losses, parts = self.dist.mean(losses), self._rank_mean(parts)
+        metrics = {(f"loss/{k[5:]}" if k.startswith("loss_") else k): v / max(done, 1)
+                   for k, v in losses.items()}
+        metrics.update(finish(parts, self.contract))
+        metrics.update({"train/skipped_minibatches": skipped, "train/early_stopped": int(stopped),
+                        "train/lr": self.scheds["actor"].get_last_lr()[0]})
+        names = {"actor": "train/grad_norm", "critic": "train/critic_grad_norm"}
+        metrics.update({names[k]: sum(v) / len(v) for k, v in self.grad_norms.items()})
+        return metrics
+
+    def apply_learning_rates(self, train) -> None:
+        """Set ``train.lr``, ``train.critic_lr`` and ``train.weight_decay`` on loaded optimizers:
+        the schedules keep their position and scale the new base rates (a resume that changed
+        them)."""
+        lrs = {"actor": train.lr, "critic": train.critic_lr}
+        for name, opt in self.opts.items():
+            sched = self.scheds[name]
+            sched.base_lrs = [lrs[name]] * len(opt.param_groups)
+            for group, factor in zip(opt.param_groups, sched.lr_lambdas):
+                group.update(initial_lr=lrs[name], lr=lrs[name] * factor(sched.last_epoch),
+                             weight_decay=train.weight_decay)
+            sched._last_lr = [group["lr"] for group in opt.param_groups]
+
+    def state_dict(self, sharded: bool = False) -> dict:
+        """Optimizer states keyed by parameter name (a collective under FSDP): full and on CPU,
+        or with ``sharded`` each rank's own DTensor shards, for torch.distributed.checkpoint."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=not sharded, cpu_offload=not sharded)
+        opts = {k: get_optimizer_state_dict(getattr(self.models, k), o, options=options)
+                for k, o in self.opts.items()}
+        return {"opts": opts, "scheds": {k: s.state_dict() for k, s in self.scheds.items()},
+                "shuffle": self.shuffle.get_state(), "bad_in_a_row": self.bad_in_a_row}
+
+    def load_state_dict(self, state: dict, sharded: bool = False) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=not sharded)
+        for k, o in self.opts.items():
+            set_optimizer_state_dict(getattr(self.models, k), o, optim_state_dict=state["opts"][k],
+                                     options=options)
+            self.scheds[k].load_state_dict(state["scheds"][k])
+        self.shuffle.set_state(state["shuffle"])
+        self.bad_in_a_row = int(state["bad_in_a_row"])
+
+
+def grad_norm(params: list, max_norm: float | None) -> torch.Tensor:
+    """The total L2 norm of the ``params``' gradients, then the gradients clipped to ``max_norm``
+    as `torch.nn.utils.clip_grad_norm_` clips them (times ``max_norm / (norm + 1e-6)`` where that
+    is below 1; no pass over them where it is not, a multiply by 1). ``None``: the norm alone,
+    for the finiteness check and the metric.
+
+    On CPU the norm is a float64 sum of float32 dot products over `NORM_CHUNK` elements: twice
+    as fast as ``torch.linalg.vector_norm`` there, and within 3e-7 of the float64 norm where
+    that one is off by 1e-3 on a 28M-element embedding gradient (BENCHMARKS.md). Sharded
+    (FSDP2) and accelerator gradients take torch's own functions.
+
+    >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
+    >>> grad_norm([w], None).item(), w.grad.tolist()
+    (5.0, [3.0, 4.0])
+    >>> grad_norm([w], 1.0).item(), [round(x, 4) for x in w.grad.tolist()]
+    (5.0, [0.6, 0.8])
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or any(g.device.type != "cpu" or hasattr(g, "full_tensor") for g in grads):
+        if max_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.nn.utils.get_total_norm(grads)
+    squares = [torch.dot(c, c) for g in grads
+               for c in (g.float() if g.dtype != torch.float64 else g).reshape(-1).split(NORM_CHUNK)]
+    norm = torch.stack(squares).double().sum().sqrt()  # float32 values, summed in float64
+    norm = norm.to(torch.float64 if grads[0].dtype == torch.float64 else torch.float32)
+    if max_norm is not None:
+        coef = max_norm / (norm + 1e-6)  # clip_grad_norm_'s factor, in the norm's dtype
+        if bool(coef < 1.0):
+            torch._foreach_mul_(grads, coef)
+    return norm
+
+
+# Elements per dot product in `grad_norm`: float32 accumulation over 1 Mi elements stays within
+# ~1e-7 of the exact sum of squares; the float64 sum of the chunks adds nothing measurable.
+NORM_CHUNK = 1 << 20
+
+
+def _checked_contract(cfg, models, loss) -> LossContract:
+    """The loss's contract, checked against the run before any step: ``train.target_kl`` needs
+    a declared approx-KL metric, ``rollout_correction.mode`` tis/mis a loss that applies the
+    weights, a critic a loss that trains it; a loss that adds the KL term itself is told the
+    estimator."""
+    declared = contract_of(loss)
+    who = registry.label_of(loss)
+    if cfg.train.target_kl is not None and declared.approx_kl_metric is None:
+        raise UserError(f"train.target_kl is set but {who} declares no approx-KL metric "
+                        f"(LossContract.approx_kl_metric); unset train.target_kl")
+    mode = cfg.rollout_correction.mode
+    if mode in ("tis", "mis") and not declared.rollout_weights:
+        raise UserError(f"rollout_correction.mode: {mode} weights the policy gradient, but {who} "
+                        f"does not declare LossContract.rollout_weights; use mode none or bypass")
+    if models.critic is not None and not declared.values:
+        raise UserError(f"advantage {cfg.advantage.name!r} needs a critic, but {who} declares "
+                        f"values=False: nothing would train the critic")
+    if declared.kl_term:
+        loss.set_kl_estimator(cfg.kl.estimator, cfg.kl.clamp)
+    return declared
