@@ -4,7 +4,7 @@
 
 Builds the same models and rlpipe config as vs_trl.py, runs one warm-up step, then profiles one
 step and prints the operators with the most self CPU time, overall and inside the update
-(stage 6) and the scoring passes (stage 2). The table is what a speed-up should start from.
+(stage 7) and the scoring passes (stage 2). The table is what a speed-up should start from.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main() -> None:
             return out
         return run
 
-    pipe.updater.update = profiled(pipe.updater.update, "update (stage 6)")
+    pipe.updater.update = profiled(pipe.updater.update, "update (stage 7)")
     pipe._score_tokens = profiled(pipe._score_tokens, "scoring passes (stage 2)")
     _, metrics = pipe.step()
     print(f"profiled step: {metrics['time/step_s']:.2f} s, load {os.getloadavg()[0]:.2f}")

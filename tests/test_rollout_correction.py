@@ -172,11 +172,21 @@ def test_truncated_sampling_is_fine_once_scored_truncated_or_greedy(tmp_path):
     tiny(tmp_path, "collector.top_p=0.9")   # mode none: nothing compares the two
 
 
-def test_a_mode_needs_engine_log_probs_from_the_collector(tmp_path):
-    batch = TensorDict({S.RESPONSE_MASK: torch.ones(1, 2, dtype=torch.bool)}, batch_size=[1])
-    rc.require_engine_log_prob(batch, "none", object())
-    with pytest.raises(UserError, match="mode: bypass needs the engine's log-probs.*engine_log_prob"):
-        rc.require_engine_log_prob(batch, "bypass", object())
+def test_a_collector_must_report_engine_log_probs(tmp_path):
+    """Every sampling collector writes engine_log_prob (DESIGN.md); one that does not is one line
+    naming it at its first batch, whatever the rollout_correction mode."""
+    from rlpipe.plugins.collectors.hf import HFCollector
+
+    class Silent(HFCollector):
+        def collect(self, prompts):
+            batch = super().collect(prompts)
+            del batch[S.ENGINE_LOG_PROB]
+            return batch
+
+    pipe = Pipeline(load_config(TINY, [f"run.output_dir={tmp_path}", "run.steps=1"]),
+                    progress=False, collector=Silent)
+    with pytest.raises(UserError, match=r"collector .*Silent.* did not write 'engine_log_prob'"):
+        pipe.step()
 
 
 def read_metrics(run_dir):

@@ -25,7 +25,7 @@ PROMPT_TEXT = "prompt_text"      # [B] non-tensor str
 RESPONSE_TEXT = "response_text"  # [B] non-tensor str
 GROUP_ID = "group_id"            # [B] long: index of the prompt a sample came from
 FINISHED = "finished"            # [B] bool: ended with EOS (false: cut at max_new_tokens)
-ENGINE_LOG_PROB = "engine_log_prob"  # [B, R] float, optional: log-probs reported by the engine
+ENGINE_LOG_PROB = "engine_log_prob"  # [B, R] float: log-probs reported by the engine
 ENGINE_HIDDEN = "engine_hidden"  # [B, R, H] float, optional: the actor's LM-head input per token
 ACTOR_LOG_PROB = "actor_log_prob"  # [B, R] float, optional: the trainer's log pi(a_t|s_t) from the
                                  # sampling pass's own logits (core/collectors.request_actor_log_prob)

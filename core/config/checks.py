@@ -31,7 +31,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from rlpipe.core.base.truncation import Truncation
 from rlpipe.core.contracts import references, registry
+from rlpipe.core.contracts.collector import CollectorContract, contract_of
 from rlpipe.core.models.critic_start import check_critic_start
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.data.prompts import data_source
@@ -119,13 +121,10 @@ def check_plugin_args(section, key: str, group: str, conv) -> None:
         raise UserError(f"{key}: plugin {spec.label} needs argument(s) {', '.join(missing)}")
 
 
-def collector_arg(cfg, name: str):
-    """``(value, given)``: the collector's argument ``name`` as configured, else its constructor's
-    default (None when it has no such parameter)."""
-    if name in cfg.collector.args:
-        return cfg.collector.args[name], True
-    param = registry.init_params(resolve_plugin(cfg.collector, "collectors").obj).get(name)
-    return (None if param is None or param.default is param.empty else param.default), False
+def collector_contract(cfg) -> CollectorContract:
+    """The `CollectorContract` that the configured collector declares for its arguments."""
+    plugin = resolve_plugin(cfg.collector, "collectors")
+    return contract_of(plugin.obj, cfg.collector.args, f"collector ({plugin.spec.label})")
 
 
 def _count(value) -> bool:
@@ -141,10 +140,7 @@ def world_size(dist_cfg) -> int:
 
 def check_batches(cfg) -> None:
     """The runtime split of a step's samples (`rlpipe.core.step.update`), checked at load."""
-    n, _ = collector_arg(cfg, "n")
-    n = 1 if n is None else n
-    if not _count(n):
-        return
+    n = collector_contract(cfg).samples_per_prompt
     t, prompts, world = cfg.train, cfg.data.batch_size, world_size(cfg.distributed)
     samples = prompts * n
     if world > 1 and prompts < world:
@@ -195,22 +191,24 @@ def check_context(cfg) -> None:
     """Prompt + response budget of the collector, and ``ptx.max_tokens``, within the context."""
     limits = [(f"the {role} model's context", context_limit(path)) for role, path in
               (("actor", cfg.models.actor.path), ("critic", cfg.models.critic.path)) if path]
-    engine_len, _ = collector_arg(cfg, "max_model_len")
-    if _count(engine_len):
-        limits.append(("collector.max_model_len", (engine_len, "the collector's engine length")))
+    sampling = collector_contract(cfg)
+    if sampling.context_tokens:
+        limits.append(("the collector's engine length", (sampling.context_tokens,
+                                                          "its contract's context_tokens")))
     limits = [(what, limit) for what, limit in limits if limit is not None]
-    prompt, prompt_given = collector_arg(cfg, "max_prompt_tokens")
-    new, new_given = collector_arg(cfg, "max_new_tokens")
-    if _count(prompt) and _count(new):
+    prompt, new = sampling.max_prompt_tokens, sampling.max_new_tokens
+    (prompt_arg, new_arg), defaults = sampling.budget_args, sampling.defaults
+    if prompt and new:
         for what, (tokens, source) in limits:
             if prompt + new <= tokens:
                 continue
-            if not prompt_given and new < tokens:  # the default prompt budget shrinks to fit
-                prompt = cfg.collector.args["max_prompt_tokens"] = tokens - new
+            if prompt_arg in defaults and new < tokens:  # the default prompt budget shrinks to fit
+                prompt = cfg.collector.args[prompt_arg] = tokens - new
                 continue
             raise UserError(
-                f"collector.max_prompt_tokens + collector.max_new_tokens = {prompt}"
-                f"{'' if prompt_given else ' (default)'} + {new}{'' if new_given else ' (default)'}"
+                f"collector.{prompt_arg} + collector.{new_arg} = {prompt}"
+                f"{' (default)' if prompt_arg in defaults else ''} + {new}"
+                f"{' (default)' if new_arg in defaults else ''}"
                 f" = {prompt + new} tokens exceed {what} of {tokens} tokens ({source}); lower one")
     actor = context_limit(cfg.models.actor.path)
     if cfg.ptx.coef > 0 and actor is not None and cfg.ptx.max_tokens > actor[0]:
@@ -225,13 +223,10 @@ def check_rollout_correction(cfg) -> None:
         raise UserError(f"rollout_correction.old_log_prob: sampling needs rollout_correction.mode: "
                         f"none, got {mode} (which compares the engine with a trainer forward, or, "
                         f"bypass, takes the engine's own log-probs); use old_log_prob: auto")
-    temperature, _ = collector_arg(cfg, "temperature")
-    top_k, _ = collector_arg(cfg, "top_k")
-    top_p, _ = collector_arg(cfg, "top_p")
-    truncated = (isinstance(top_k, int) and top_k > 0) or (isinstance(top_p, float) and top_p < 1)
-    sampled = not isinstance(temperature, (int, float)) or temperature > 0
-    scored, _ = collector_arg(cfg, "score_truncated")
-    if mode != "none" and truncated and sampled and scored is not True:
+    sampling = collector_contract(cfg)
+    top_k, top_p = sampling.top_k, sampling.top_p
+    truncated = Truncation(top_k, top_p).active and sampling.temperature > 0
+    if mode != "none" and truncated and not sampling.score_truncated:
         raise UserError(f"rollout_correction.mode: {mode} compares the trainer's log-probs with the "
                         f"engine's, which come from the top-k/top-p truncated distribution "
                         f"(collector.top_k={top_k}, collector.top_p={top_p}); set "

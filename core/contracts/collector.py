@@ -1,105 +1,126 @@
-"""The collector contract as core reads it: one adapter, with a documented default for each
-attribute a collector may leave out.
+"""The collector contract: what core knows about sampling, declared by the collector itself.
 
-A collector (group ``rlpipe.collectors``) is a class with ``collect(prompts) -> TensorDict`` and
-``sync_weights(model)``, which the registry checks. Core also reads, here and only here:
+A collector (group ``rlpipe.collectors``) is a class with ``collect(prompts) -> TensorDict`` (the
+prompt and response keys of `rlpipe.core.base.schema`, ``engine_log_prob`` among them) and
+``sync_weights(model)``, which the registry checks. What else core needs to know about sampling
+is a `CollectorContract`, which the class computes from its constructor arguments with a
+classmethod ``contract(**args)``, before any model or engine exists: config checks, the pipeline
+and the update read it and nothing else. `rlpipe.plugins.collectors.base.Collector` implements
+``contract`` for the arguments it shares (``n``, ``max_new_tokens``, ...); a collector with
+arguments of its own names writes its own. A class without one gets ``CollectorContract()``.
 
-- ``temperature``: the sampling temperature; the trainer's log-probs divide the logits by it
-  (0, greedy, scores at temperature 1). A real number >= 0; default 1.0.
-- ``max_new_tokens``: the response budget, handed to the other plugins as
-  ``ctx.max_new_tokens``. An integer >= 0; default 0 (unknown).
-- ``close()``: release the engine at the end of a run; default: nothing to release.
-- ``score_truncated``, ``top_k``, ``top_p``: with ``score_truncated`` true (default false) and
-  sampling truncated (``top_k > 0`` or ``top_p < 1``, temperature > 0), the trainer scores
-  tokens under the same renormalised distribution (`rlpipe.core.base.truncation`). Defaults 0, 1.0.
-- ``record_hidden(on)``: a collector that runs the actor's own module can write
-  ``engine_hidden``, the input of the actor's LM head for each response token; core calls it
-  (`request_hidden`) when a shared-backbone critic can read its rollout values from that instead
-  of a forward. Default None: not offered.
-- ``record_actor_log_prob(temperature, truncation)``: a collector whose engine is the actor's own
-  module, in the trainer's precision, can write ``actor_log_prob``: the log-prob of each drawn
-  token under ``softmax(logits / temperature)`` (restricted to ``truncation``'s kept set when it
-  is not None), computed from the sampling pass's own logits, before any processor (EOS
-  suppression, top-k, top-p) changes them. It is the number the trainer's scoring forward
-  computes, up to float round-off, so core (`request_actor_log_prob`, under
-  ``rollout_correction.old_log_prob``) takes it as ``old_log_prob`` instead of running that
-  forward. Default None: not offered.
-- ``sampling_view(temperature, n)``: a collector that samples at ``temperature``, ``n`` per
-  prompt, from this one's engine and weights, leaves this one's settings as they are, and whose
-  ``close()`` leaves the engine running. Evaluation uses it
-  (`sampling_view`) so that an engine that holds GPU memory (``vllm``) is not started twice.
-  Default None: evaluation builds a second collector from the config.
+The built collector may also offer methods, each optional (default: not offered), which core
+calls here and only here:
 
-`rlpipe.plugins.collectors.base.Collector` declares the attributes; a collector that does not
-subclass it gets the defaults listed in `rlpipe.core.contracts.registry.DECLARED`. A value of the wrong kind,
-or an error raised while reading it (a property), is one line naming the plugin.
+- ``close()``: release the engine at the end of a run;
+- ``record_hidden(on)``: write ``engine_hidden``, the actor's LM-head input for each response
+  token (`request_hidden`), so that a shared-backbone critic reads its rollout values from it;
+- ``record_actor_log_prob(temperature, truncation)``: write ``actor_log_prob``, each drawn token's
+  log-prob under the trainer's scoring distribution, from the sampling pass's own logits
+  (`request_actor_log_prob`); only for an engine that is the actor's own module;
+- ``sampling_view(temperature, n)``: a collector on this one's engine with other settings, whose
+  ``close()`` leaves the engine running (`sampling_view`; evaluation uses it).
 
->>> class Bare:
+>>> class Toy:
+...     def __init__(self, ctx, num_samples: int = 1, budget: int = 32): ...
 ...     def collect(self, prompts): ...
 ...     def sync_weights(self, model): ...
->>> collector_temperature(Bare()), collector_max_new_tokens(Bare()), close_collector(Bare())
-(1.0, 0, None)
->>> collector_truncation(Bare()) is None
-True
+...     @classmethod
+...     def contract(cls, num_samples=1, budget=32):
+...         return CollectorContract(samples_per_prompt=num_samples, max_new_tokens=budget)
+>>> contract_of(Toy, {"num_samples": 4}, "toy").samples_per_prompt
+4
+>>> contract_of(object, {}, "bare")
+CollectorContract(samples_per_prompt=1, max_new_tokens=0, max_prompt_tokens=0, budget_args=('', ''), defaults=frozenset(), context_tokens=0, temperature=1.0, top_k=0, top_p=1.0, score_truncated=False, chat_template=False)
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from rlpipe.core.contracts import registry
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.base.truncation import Truncation
+from rlpipe.core.contracts import registry
 
-def _attribute(collector, name: str, convert=lambda value: value):
-    """``convert(collector.name)``, or of its default; what a property or the conversion raises is
-    one line naming the plugin."""
+
+@dataclass(frozen=True)
+class CollectorContract:
+    """How a collector samples, as far as core needs to know (defaults: a collector that says
+    nothing)."""
+
+    samples_per_prompt: int = 1     # responses per prompt (``group_id`` groups them)
+    max_new_tokens: int = 0         # the response budget in tokens (0: unknown)
+    max_prompt_tokens: int = 0      # the prompt budget in tokens (0: unknown)
+    budget_args: tuple = ("", "")   # the arguments that hold the prompt and response budgets
+    defaults: frozenset = frozenset()  # the arguments left at their defaults: a default prompt
+                                    # budget is lowered to fit the context, and messages say so
+    context_tokens: int = 0         # the engine's own limit on prompt + response (0: the model's)
+    temperature: float = 1.0        # sampling temperature; the trainer divides logits by it (0:
+                                    # greedy, scored at 1)
+    top_k: int = 0                  # sampling filters (0 and 1.0: off)
+    top_p: float = 1.0
+    score_truncated: bool = False   # the trainer scores tokens under the same truncated
+                                    # distribution (`rlpipe.core.base.truncation`)
+    chat_template: bool = False     # the collector wraps text prompts in the chat template
+
+    @property
+    def truncation(self) -> Truncation | None:
+        """The sampler's `Truncation` when the trainer must score under it: asked for
+        (``score_truncated``), a filter on, and sampling (temperature > 0); else None."""
+        kept = Truncation(self.top_k, self.top_p)
+        return kept if self.score_truncated and kept.active and self.temperature > 0 else None
+
+    def problem(self) -> str | None:
+        """What is wrong with these values, or None."""
+        counts = ("max_new_tokens", "max_prompt_tokens", "context_tokens", "top_k")
+        for name in ("samples_per_prompt", *counts):
+            value, low = getattr(self, name), int(name == "samples_per_prompt")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                return f"{name} must be an integer >= {low}, got {value!r}"
+        number = (int, float)
+        if not isinstance(self.temperature, number) or not 0 <= self.temperature < math.inf:
+            return f"temperature must be >= 0 and finite, got {self.temperature!r}"
+        if not isinstance(self.top_p, number) or not 0 < self.top_p <= 1:
+            return f"top_p must be in (0, 1], got {self.top_p!r}"
+        return None
+
+
+def contract_of(collector, args: dict, label: str) -> CollectorContract:
+    """The contract that ``collector`` (its class, a factory of it, or an instance) declares for
+    constructor arguments ``args``; what ``contract`` raises, returns of the wrong type or with
+    values out of range is one line naming ``label``."""
+    declare = registry.declared("collectors", collector, "contract")
+    if declare is None:
+        return CollectorContract()
+    with registry.calling(label, "contract"):
+        contract = declare(**args)
+    if not isinstance(contract, CollectorContract):
+        raise UserError(f"{label}: contract() must return a CollectorContract, got "
+                        f"{type(contract).__name__}")
+    problem = contract.problem()
+    if problem:
+        raise UserError(f"{label}: contract(): {problem}")
+    return contract
+
+
+def _method(collector, name: str):
+    """The collector's optional method ``name``, or None; what reading it raises names the plugin."""
     with registry.calling(registry.label_of(collector), name):
-        return convert(registry.declared("collectors", collector, name))
-
-
-def collector_temperature(collector) -> float:
-    """The collector's sampling temperature (default 1.0)."""
-    value = _attribute(collector, "temperature", float)
-    if not math.isfinite(value) or value < 0:
-        raise UserError(f"{registry.label_of(collector)}: temperature must be >= 0 and finite, "
-                        f"got {value!r}")
-    return value
-
-
-def collector_max_new_tokens(collector) -> int:
-    """The collector's response budget (default 0: unknown)."""
-    value = _attribute(collector, "max_new_tokens", int)
-    if value < 0:
-        raise UserError(f"{registry.label_of(collector)}: max_new_tokens must be >= 0, got {value}")
-    return value
+        return registry.declared("collectors", collector, name)
 
 
 def close_collector(collector) -> None:
     """Call the collector's ``close()`` if it has one (e.g. stop a vLLM engine)."""
-    close = _attribute(collector, "close")
+    close = _method(collector, "close")
     if callable(close):
         registry.call(close)
 
 
-def collector_truncation(collector) -> Truncation | None:
-    """The sampler's `Truncation` when the collector asks the trainer to score under it
-    (``score_truncated``) and sampling is truncated; else None (plain log-softmax)."""
-    if not _attribute(collector, "score_truncated", bool):
-        return None
-    top_k, top_p = _attribute(collector, "top_k", int), _attribute(collector, "top_p", float)
-    if top_k < 0 or not 0 < top_p <= 1:
-        raise UserError(f"{registry.label_of(collector)}: top_k must be >= 0 and top_p in (0, 1], "
-                        f"got {top_k!r}, {top_p!r}")
-    truncation = Truncation(top_k, top_p)
-    return truncation if truncation.active and collector_temperature(collector) > 0 else None
-
-
 def request_actor_log_prob(collector, temperature: float, truncation: Truncation | None) -> bool:
     """Ask the collector to write ``actor_log_prob`` from now on, under the trainer's scoring
-    distribution (its ``record_actor_log_prob(temperature, truncation)``); False where it declares
-    no ``record_actor_log_prob``."""
-    record = _attribute(collector, "record_actor_log_prob")
+    distribution; False where it offers no ``record_actor_log_prob``."""
+    record = _method(collector, "record_actor_log_prob")
     if record is None:
         return False
     registry.call(record, temperature, truncation)
@@ -107,15 +128,15 @@ def request_actor_log_prob(collector, temperature: float, truncation: Truncation
 
 
 def sampling_view(collector, temperature: float, n: int):
-    """The collector's ``sampling_view(temperature, n)``, or None where it declares none."""
-    view = _attribute(collector, "sampling_view")
+    """The collector's ``sampling_view(temperature, n)``, or None where it offers none."""
+    view = _method(collector, "sampling_view")
     return None if view is None else registry.call(view, temperature, n)
 
 
 def request_hidden(collector) -> bool:
-    """Ask the collector to write ``engine_hidden`` from now on (its ``record_hidden(True)``);
-    False where it declares no ``record_hidden``."""
-    record = _attribute(collector, "record_hidden")
+    """Ask the collector to write ``engine_hidden`` from now on; False where it offers no
+    ``record_hidden``."""
+    record = _method(collector, "record_hidden")
     if record is None:
         return False
     registry.call(record, True)

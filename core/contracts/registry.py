@@ -232,9 +232,8 @@ def load(group: str, name: str):
 # not; core reads them only through `declared`.
 DECLARED = {
     "advantages": {"needs_critic": True},  # False: the estimator reads no value; no critic is built
-    # read through rlpipe.core.contracts.collector, which also checks the values
-    "collectors": {"temperature": 1.0, "max_new_tokens": 0, "close": None,
-                   "score_truncated": False, "top_k": 0, "top_p": 1.0, "record_hidden": None,
+    # read through rlpipe.core.contracts.collector: the contract, then optional methods
+    "collectors": {"contract": None, "close": None, "record_hidden": None,
                    "record_actor_log_prob": None, "sampling_view": None},
     # read through rlpipe.core.step.loss.contract_of: None means LossContract()'s defaults
     "losses": {"contract": None, "set_kl_estimator": None},

@@ -19,10 +19,9 @@ from rlpipe.core.contracts import references, registry
 from rlpipe.core.run import rundir
 from rlpipe.core.config.compose import save_config
 from rlpipe.core.config.settings import Config
-from rlpipe.core.config.checks import collector_arg, resolve_plugin
+from rlpipe.core.config.checks import collector_contract, resolve_plugin
 from rlpipe.core.data.prompts import PromptData, load_prompt_data
 from rlpipe.core.base.context import RunContext
-from rlpipe.core.contracts.collector import collector_max_new_tokens
 from rlpipe.core.models.critic_start import critic_from_reward_model
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.models.lora import allow_merging
@@ -225,7 +224,7 @@ def _make(group: str, section, ctx: RunContext, where: str):
 
 def build_plugins(cfg: Config, ctx: RunContext) -> Plugins:
     collector = _make("collectors", cfg.collector, ctx, "collector")
-    ctx.max_new_tokens = collector_max_new_tokens(collector)
+    ctx.max_new_tokens = collector_contract(cfg).max_new_tokens
     parts = [(r.key, r.weight, _make("rewards", r, ctx, f"rewards.{i}"))
              for i, r in enumerate(cfg.rewards)]
     advantage = _make("advantages", cfg.advantage, ctx, "advantage")
@@ -254,7 +253,7 @@ def load_run_data(cfg, dataset=None) -> tuple[PromptData, PromptData | None]:
     held_out = None if e.prompts is None else load_prompt_data(e.prompts, e.split, e.prompt_key,
                                                                 "eval.prompts")
     for found in filter(None, (data, held_out)):
-        if found.chat and collector_arg(cfg, "chat_template")[0] is True:
+        if found.chat and collector_contract(cfg).chat_template:
             raise UserError(f"collector.chat_template: the prompts of {found.source} are chat "
                             f"messages, which rlpipe already applies through the chat template; "
                             f"set collector.chat_template: false")

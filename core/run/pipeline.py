@@ -1,7 +1,9 @@
 """The PPO loop: one TensorDict passes through the stages of each step, top to bottom.
 
-    prompts -> 1. collect -> 2. log-probs/values -> 3. rewards -> 4. KL shaping
-            -> 5. advantage -> 6. PPO epochs -> 7. weight sync -> 8. metrics
+    prompts -> 1. collect -> 2. log-probs/values -> 3. rewards -> 4. rollout correction
+            -> 5. KL shaping -> 6. advantage -> 7. PPO epochs -> 8. weight sync -> 9. metrics
+
+`Pipeline.train` runs the steps with the callbacks of `rlpipe.core.run.callbacks` around them.
 
 One PPO step of the tiny example (a few seconds on CPU):
 
@@ -38,8 +40,8 @@ from rlpipe.core.base import schema
 from rlpipe.core.step import rollout_correction as correction
 from rlpipe.core.config.settings import Config
 from rlpipe.core.base.context import RunContext
-from rlpipe.core.contracts.collector import (close_collector, collector_temperature, collector_truncation,
-                                   request_actor_log_prob, request_hidden)
+from rlpipe.core.config.checks import collector_contract
+from rlpipe.core.contracts.collector import close_collector, request_actor_log_prob, request_hidden
 from rlpipe.core.models.critic_start import CriticWarmup
 from rlpipe.core.data.streams import PromptStream
 from rlpipe.core.models.cpu_memory import keep_freed_memory
@@ -101,10 +103,10 @@ class Pipeline(RunState):
         with self.status.phase(f"building plugins ({names})") as took:
             self.plugins = build.build_plugins(cfg, self.ctx)
         self.status.say(f"plugins ready in {took():.1f} s")
-        self.temperature = collector_temperature(self.plugins.collector)
-        self.truncation = collector_truncation(self.plugins.collector)  # score_truncated
+        self.sampling = collector_contract(cfg)  # how the collector samples, as it declares
+        self.temperature, self.truncation = self.sampling.temperature, self.sampling.truncation
         self.old_from_sampling = self._old_log_prob_from_sampling()
-        self.collected_keys = (*_INPUTS, S.GROUP_ID, S.FINISHED,
+        self.collected_keys = (*_INPUTS, S.GROUP_ID, S.FINISHED, S.ENGINE_LOG_PROB,
                                *([S.ACTOR_LOG_PROB] if self.old_from_sampling else []))
         if self.old_from_sampling:
             self.status.say("old log-probs: from the sampling pass (no actor forward in scoring; "
@@ -203,16 +205,15 @@ class Pipeline(RunState):
                 for c in chunks])
 
     def _engine_gap(self, batch: TensorDict) -> dict:
-        """Mean |engine log-prob - trainer log-prob| over response tokens, when the collector
-        reports engine log-probs (not with bypass: no trainer log-probs): the canary for stale
-        or wrongly synced weights."""
-        if S.ENGINE_LOG_PROB not in batch.keys() or self.cfg.rollout_correction.mode == "bypass":
+        """Mean |engine log-prob - trainer log-prob| over response tokens (not with bypass: no
+        trainer log-probs): the canary for stale or wrongly synced weights."""
+        if self.cfg.rollout_correction.mode == "bypass":
             return {}
         gap = (batch[S.ENGINE_LOG_PROB] - batch[S.OLD_LOG_PROB]).abs()
         return {"collector/logprob_gap": to_float(masked_mean(gap, batch[S.RESPONSE_MASK]))}
 
     def _shape_reward(self, batch: TensorDict) -> tuple[torch.Tensor, float, float]:
-        """Write ``reward`` (stage 4); the per-token KL [B, R] (0 on padding), the KL
+        """Write ``reward`` (stage 5); the per-token KL [B, R] (0 on padding), the KL
         controller's coefficient, and the part of it that goes to the loss."""
         mask, cfg = batch[S.RESPONSE_MASK], self.cfg.kl
         kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], cfg.estimator,
@@ -237,7 +238,6 @@ class Pipeline(RunState):
         batch = batch.to(self.device)
         self.data.attach(batch, rows)  # ("data", COLUMN) of each sample's prompt row
         self._check(batch, self.collected_keys, "collector")
-        correction.require_engine_log_prob(batch, self.cfg.rollout_correction.mode, collector)
         t_rollout = time.perf_counter() - t0
         # 2. log-probs of the sampling policy and the reference, values of the critic
         with self.models.compute():
@@ -248,28 +248,28 @@ class Pipeline(RunState):
         self._check(batch, [S.OLD_LOG_PROB, S.REF_LOG_PROB, S.VALUE, S.SCORE], "rewards")
         batch = self.dist.gather(batch)  # every rank now holds the whole scored rollout
         mask, engine_gap = batch[S.RESPONSE_MASK], self._engine_gap(batch)
-        # rollout correction: weights pi_old / pi_engine for the loss (tis, mis), rollout/* metrics
+        # 4. rollout correction: weights pi_old / pi_engine for the loss (tis, mis), rollout/*
         rollout_metrics = correction.apply(batch, self.cfg.rollout_correction)
-        # 4. KL shaping: score on the last valid token, -beta * KL on every token (kl.in: reward;
-        #    with kl.in: loss beta goes to the loss in stage 6)
+        # 5. KL shaping: score on the last valid token, -beta * KL on every token (kl.in: reward;
+        #    with kl.in: loss beta goes to the loss in stage 7)
         kl_tok, coef, loss_coef = self._shape_reward(batch)
-        # 5. advantage and value targets
+        # 6. advantage and value targets
         advantage = self.plugins.advantage
         batch = guards.check_output(registry.call(advantage, batch), advantage,
                                     (S.ADVANTAGE, S.VALUE_TARGET), required=(S.ADVANTAGE,))
         self._check(batch, [S.REWARD, S.ADVANTAGE, S.VALUE_TARGET], "advantage")
-        # 6. PPO epochs over minibatches (the critic alone during critic warm-up)
+        # 7. PPO epochs over minibatches (the critic alone during critic warm-up)
         t1 = time.perf_counter()
         warmup = self.critic_warmup.active(self.step_count)
         update_metrics = self.updater.update(batch, train_actor=not warmup, kl_coef=loss_coef)
         self.critic_warmup.observe(update_metrics)
         t_update = time.perf_counter() - t1
-        # 7. weight sync: push the updated actor to the generation engine
+        # 8. weight sync: push the updated actor to the generation engine
         registry.call(self.plugins.collector.sync_weights, self.models.actor)
         seq_kl = to_float(kl_tok.sum(-1).mean())
         self.kl_ctl.update(seq_kl, batch.batch_size[0])
         self.step_count += 1
-        # 8. metrics
+        # 9. metrics
         elapsed = time.perf_counter() - t0
         metrics = {
             "reward/score": to_float(batch[S.SCORE]),

@@ -115,10 +115,8 @@ def sample_and_score(pipe) -> Mismatch:
         pipe.models.actor.eval()
         rows = pipe.dist.share(pipe.prompts.next_batch())
         batch = guards.check_output(registry.call(collector.collect, pipe.data.texts(rows)),
-                                    collector, required=(*_INPUTS, S.GROUP_ID, S.FINISHED))
-    if S.ENGINE_LOG_PROB not in batch.keys():
-        raise UserError(f"preflight: {registry.label_of(collector)} reports no "
-                        f"{S.ENGINE_LOG_PROB!r}; there is nothing to compare the trainer with")
+                                    collector, required=(*_INPUTS, S.GROUP_ID, S.FINISHED,
+                                                         S.ENGINE_LOG_PROB))
     batch = batch.to(pipe.device)
     chunks = [[c[k] for k in _INPUTS] for c in batch.split(pipe.cfg.train.forward_batch_size)]
     with pipe.models.compute():
@@ -133,8 +131,7 @@ def sample_and_score(pipe) -> Mismatch:
 
 def _hint(pipe) -> str:
     """The likeliest cause worth naming: truncated sampling scored untruncated."""
-    c = pipe.plugins.collector
-    top_k, top_p = (registry.declared("collectors", c, k) for k in ("top_k", "top_p"))
+    top_k, top_p = pipe.sampling.top_k, pipe.sampling.top_p
     if pipe.temperature > 0 and (top_k > 0 or top_p < 1) and pipe.truncation is None:
         return (f"; sampling is truncated (top_k={top_k}, top_p={top_p}) but the trainer scores "
                 f"the full distribution: set collector.score_truncated: true")

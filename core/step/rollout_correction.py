@@ -35,7 +35,6 @@ import math
 import torch
 
 from rlpipe.core.step import kl
-from rlpipe.core.contracts import registry
 from rlpipe.core.base import schema
 from rlpipe.core.base.errors import UserError
 
@@ -113,19 +112,11 @@ def diagnostics(old_log_prob: torch.Tensor, engine_log_prob: torch.Tensor, mask:
             "rollout/masked_frac": masked}
 
 
-def require_engine_log_prob(batch, mode: str, collector) -> None:
-    """A mode other than ``none`` needs the engine's log-probs: one line naming the collector."""
-    if mode != "none" and schema.ENGINE_LOG_PROB not in batch.keys():
-        raise UserError(f"rollout_correction.mode: {mode} needs the engine's log-probs, but "
-                        f"{registry.label_of(collector)} wrote no {schema.ENGINE_LOG_PROB!r}; "
-                        f"use a collector that reports them (hf, vllm) or mode: none")
-
-
 def apply(batch, settings) -> dict[str, float]:
-    """Stage 2b of the loop on the gathered batch: with ``tis``/``mis`` write
-    ``rollout_is_weight``; return the ``rollout/*`` metrics (none without engine log-probs, or
-    with ``bypass``, where π_old is the engine's own and there is no gap to measure)."""
-    if schema.ENGINE_LOG_PROB not in batch.keys() or settings.mode == "bypass":
+    """Stage 4 of the loop, on the gathered batch: with ``tis``/``mis`` write
+    ``rollout_is_weight``; return the ``rollout/*`` metrics (none with ``bypass``, where π_old is
+    the engine's own and there is no gap to measure)."""
+    if settings.mode == "bypass":
         return {}
     mask = batch[schema.RESPONSE_MASK]
     old, engine = batch[schema.OLD_LOG_PROB], batch[schema.ENGINE_LOG_PROB]

@@ -1,4 +1,4 @@
-"""Stage 6 of the loop: PPO epochs over a rollout batch.
+"""Stage 7 of the loop: PPO epochs over a rollout batch.
 
 K epochs x shuffled minibatches (one optimizer step each) x gradient-accumulation micro-batches.
 Losses are normalised by the token and sequence counts of the whole minibatch (``num_tokens``,

@@ -5,8 +5,9 @@ its sampling call.
 in the ``Annotated`` hint, the same `Range` text config fields carry), checks the run context,
 resolves the pad and EOS ids, encodes prompts (chat template, last ``prompt_budget`` tokens),
 left-pads them, and packs what `Collector.generate` returns into the rollout batch with group ids
-and decoded texts. It declares what core reads: ``temperature``, ``max_new_tokens``, ``top_k``,
-``top_p``, ``score_truncated``, ``close()``.
+and decoded texts. It declares what core reads about its sampling in `Collector.contract` (a
+`rlpipe.core.contracts.collector.CollectorContract` computed from the arguments, before any
+engine starts) and offers ``close()``.
 
 >>> pad_rows([[5, 6, 7], [8]], fill=0, left=True)[0].tolist()
 [[5, 6, 7], [0, 0, 8]]
@@ -44,6 +45,7 @@ A complete collector, with a word-level tokenizer and an engine that answers "tw
 
 from __future__ import annotations
 
+import inspect
 import math
 import types
 import typing
@@ -56,6 +58,7 @@ from tensordict import NonTensorStack, TensorDict
 from rlpipe.core.base import schema
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.base.yamlconf import Range
+from rlpipe.core.contracts.collector import CollectorContract
 
 __all__ = ["Bound", "Collector", "Count", "Fraction", "Temperature", "TopK", "Tokens",
            "check_args", "eos_ids", "pad_rows"]
@@ -152,11 +155,9 @@ class Collector:
     generation prompt. A row also stops when its response ends with one of ``stop_strings``
     (kept in the response; the row counts as finished). ``min_new_tokens`` suppresses EOS for
     the first tokens of each response. The arguments are kept as attributes of the same names,
-    which `collect` reads at each call. Core reads ``temperature`` (its log-probs divide the
-    logits by it; 0 scores at 1), ``max_new_tokens`` (``ctx.max_new_tokens`` of the other
-    plugins), ``top_k``, ``top_p`` and ``score_truncated`` (true: the trainer scores tokens under
-    the same truncated, renormalised distribution; `rlpipe.core.base.truncation`) and calls
-    ``close()`` at the end of a run (a no-op here).
+    which `collect` reads at each call. Core reads `contract` (from the same arguments: ``n``,
+    the budgets, ``temperature``, ``top_k``, ``top_p``, ``score_truncated``, ``chat_template``)
+    and calls ``close()`` at the end of a run (a no-op here).
 
     A subclass declares every argument in its own signature (config checks names and types
     against it) with the hints above, passes the shared ones to ``super().__init__`` and checks
@@ -198,6 +199,23 @@ class Collector:
     @property
     def label(self) -> str:
         return f"{self.name} collector"
+
+    @classmethod
+    def contract(cls, **args) -> CollectorContract:
+        """What core reads about this collector built with ``args`` (its constructor's defaults
+        for the rest), checked as the constructor checks them."""
+        params = inspect.signature(cls.__init__).parameters
+        values = {name: p.default for name, p in params.items() if p.default is not p.empty}
+        values.update(args)
+        hints = typing.get_type_hints(Collector.__init__, include_extras=True)
+        check_args(f"{cls.name} collector", {k: values[k] for k in hints if k in values}, hints)
+        return CollectorContract(
+            samples_per_prompt=values["n"], max_new_tokens=values["max_new_tokens"],
+            max_prompt_tokens=values["max_prompt_tokens"],
+            budget_args=("max_prompt_tokens", "max_new_tokens"),
+            defaults=frozenset(params) - set(args), temperature=float(values["temperature"]),
+            top_k=values["top_k"], top_p=float(values["top_p"]),
+            score_truncated=values["score_truncated"], chat_template=values["chat_template"])
 
     def check_own_args(self, **values) -> None:
         """`check_args` for a subclass's own arguments, against its ``__init__`` hints."""

@@ -23,6 +23,7 @@ one sample per prompt, a seed per request), not from a second engine.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import re
 import shutil
@@ -37,6 +38,7 @@ import torch
 
 from rlpipe.core.base import schema
 from rlpipe.core.base.errors import UserError
+from rlpipe.core.contracts.collector import CollectorContract
 from rlpipe.core.models.lm import unwrap
 from rlpipe.plugins.collectors.base import (Bound, Collector, Count, Fraction, Temperature, Tokens,
                                             TopK, pad_rows)
@@ -59,6 +61,12 @@ class VLLMCollector(Collector):
     """
 
     name = "vllm"
+
+    @classmethod
+    def contract(cls, **args) -> CollectorContract:
+        """The shared arguments' contract, with the engine's ``max_model_len`` as its context."""
+        return dataclasses.replace(super().contract(**args),
+                                   context_tokens=args.get("max_model_len") or 0)
 
     def __init__(self, ctx, *, max_new_tokens: Count = 64, temperature: Temperature = 1.0,
                  top_p: Fraction = 1.0, top_k: TopK = 0, n: Count = 1, max_prompt_tokens: Count = 256,
