@@ -25,7 +25,11 @@ from rlpipe.core.base.context import RunContext
 from rlpipe.core.models.critic_start import critic_from_reward_model
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.models.lora import allow_merging
-from rlpipe.core.models.distributed import shard
+from rlpipe.core.models import distributed
+from rlpipe.core.models.cpu_memory import keep_freed_memory
+from rlpipe.core.models.denormals import flush_denormals
+from rlpipe.core.models.distributed import Dist, shard
+from rlpipe.core.observe.console import Status, describe_models
 from rlpipe.core.models.lm import (_DTYPES, Models, ValueModel, enable_checkpointing, frozen_copy,
                                    load_causal_lm, load_tokenizer)
 from rlpipe.core.step.rewards import RewardComposer
@@ -261,3 +265,50 @@ def load_run_data(cfg, dataset=None) -> tuple[PromptData, PromptData | None]:
         print(f"warning: {key} has {len(data)} prompt(s), fewer than data.batch_size="
               f"{d.batch_size}: prompts repeat within a step", file=sys.stderr)
     return data, held_out
+
+
+@dataclass
+class Run:
+    """The plain objects `build_run` makes of a config, which `rlpipe.Pipeline` holds."""
+
+    dist: Dist                # this process's place in the job
+    device: torch.device
+    run_dir: Path
+    status: Status            # start-up lines (main process)
+    models: Models            # actor, critic, reference, tokenizer
+    ctx: RunContext           # what plugins were built with
+    plugins: Plugins          # collector, rewards, advantage, loss
+    data: PromptData          # training prompts, checked before any model loads
+    eval_data: PromptData | None
+
+
+def build_run(cfg: Config, overwrite: bool = False, resume: bool = False, dataset=None) -> Run:
+    """Everything a run of ``cfg`` starts from, in order: its data (checked first), seeds,
+    processes, the run directory, models (sharded under FSDP2), plugins."""
+    data, eval_data = load_run_data(cfg, dataset)  # bad data fails before models
+    seed_everything(cfg.run.seed)
+    dist, device_name = distributed.init(cfg.run.device, cfg.distributed.timeout_s)
+    device = resolve_device(device_name)
+    flush_denormals(cfg.run.flush_denormals)  # x86 runs arithmetic on denormals 10-50x slower
+    keep_freed_memory(cfg.run.keep_freed_memory)  # no page faults for a reused large tensor
+    run_dir = prepare_run_dir(cfg, overwrite, resume, dist.is_main)
+    dist.barrier()  # the run directory exists for every rank from here on
+    status = Status(dist.is_main)
+    with status.phase(f"loading models from {cfg.models.actor.path} on {device}") as took:
+        models = build_models(cfg, device, needs_critic(cfg))
+    for line in describe_models(models, took()):
+        status.say(line)
+    if dist.enabled:
+        if cfg.data.batch_size < dist.world:
+            raise UserError(f"data.batch_size={cfg.data.batch_size} gives some of the "
+                            f"{dist.world} processes no prompt; raise it")
+        shard_models(models, cfg)
+        seed_everything(cfg.run.seed + dist.rank)  # a sampling stream per rank
+    ctx = RunContext(tokenizer=models.tokenizer, actor=models.actor, device=device,
+                     seed=cfg.run.seed, run_dir=run_dir, shared_prefix=models.shared_prefix)
+    names = ", ".join([cfg.collector.name, *(r.key for r in cfg.rewards), cfg.advantage.name,
+                       cfg.loss.name])
+    with status.phase(f"building plugins ({names})") as took:
+        plugins = build_plugins(cfg, ctx)
+    status.say(f"plugins ready in {took():.1f} s")
+    return Run(dist, device, run_dir, status, models, ctx, plugins, data, eval_data)

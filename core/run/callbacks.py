@@ -174,9 +174,10 @@ class Checkpoints(Callback):
             pipe.save_checkpoint()
 
 
-def default_callbacks(pipe) -> list[Callback]:
+def default_callbacks(pipe, extra: list | tuple = ()) -> list[Callback]:
     """What `Pipeline.train` runs, in order: the preflight (``run.preflight``), evaluation (with
-    ``eval.prompts``), health, the metrics and samples writer, checkpoints."""
+    ``eval.prompts``), health, then ``extra`` (your callbacks: a metric they add is written, a stop
+    they set is checkpointed), the metrics and samples writer, checkpoints."""
     return [*([Preflight()] if pipe.cfg.run.preflight else []),
             *([Evaluation(pipe.evaluator)] if pipe.evaluator is not None else []),
-            Health(), MetricsLog(), Checkpoints()]
+            Health(), *extra, MetricsLog(), Checkpoints()]

@@ -33,19 +33,15 @@ from rlpipe.core.run import build, checkpoint, oom, preflight
 from rlpipe.core.run.callbacks import Hooks, default_callbacks
 from rlpipe.core.config import compose
 from rlpipe.core.observe import console, samples
-from rlpipe.core.models import distributed
 from rlpipe.core.contracts import guards, registry
 from rlpipe.core.step import kl
 from rlpipe.core.base import schema
 from rlpipe.core.step import rollout_correction as correction
 from rlpipe.core.config.settings import Config
-from rlpipe.core.base.context import RunContext
 from rlpipe.core.config.checks import collector_contract
 from rlpipe.core.contracts.collector import close_collector, request_actor_log_prob, request_hidden
 from rlpipe.core.models.critic_start import CriticWarmup
 from rlpipe.core.data.streams import PromptStream
-from rlpipe.core.models.cpu_memory import keep_freed_memory
-from rlpipe.core.models.denormals import flush_denormals
 from rlpipe.core.step.evaluation import Evaluator, eval_collector
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.observe.metrics import to_float
@@ -76,33 +72,10 @@ class Pipeline(RunState):
         cfg = compose.apply(cfg, collector=collector, rewards=rewards, advantage=advantage, loss=loss)
         self.cfg, self.progress = cfg, progress and cfg.log.progress
         self.resume = resume or cfg.run.resume == "auto"
-        self.data, self.eval_data = build.load_run_data(cfg, dataset)  # bad data fails before models
-        build.seed_everything(cfg.run.seed)
-        self.dist, device_name = distributed.init(cfg.run.device, cfg.distributed.timeout_s)
-        self.device = build.resolve_device(device_name)
-        flush_denormals(cfg.run.flush_denormals)  # x86 runs arithmetic on denormals 10-50x slower
-        keep_freed_memory(cfg.run.keep_freed_memory)  # no page faults for a reused large tensor
-        self.run_dir = build.prepare_run_dir(cfg, overwrite, self.resume, self.dist.is_main)
-        self.dist.barrier()  # the run directory exists for every rank from here on
-        self.status = console.Status(self.dist.is_main)
-        with self.status.phase(f"loading models from {cfg.models.actor.path} on {self.device}") as took:
-            self.models = build.build_models(cfg, self.device, build.needs_critic(cfg))
-        for line in console.describe_models(self.models, took()):
-            self.status.say(line)
-        if self.dist.enabled:
-            if cfg.data.batch_size < self.dist.world:
-                raise UserError(f"data.batch_size={cfg.data.batch_size} gives some of the "
-                                f"{self.dist.world} processes no prompt; raise it")
-            build.shard_models(self.models, cfg)
-            build.seed_everything(cfg.run.seed + self.dist.rank)  # a sampling stream per rank
-        self.ctx = RunContext(tokenizer=self.models.tokenizer, actor=self.models.actor,
-                              device=self.device, seed=cfg.run.seed, run_dir=self.run_dir,
-                              shared_prefix=self.models.shared_prefix)
-        names = ", ".join([cfg.collector.name, *(r.key for r in cfg.rewards), cfg.advantage.name,
-                           cfg.loss.name])
-        with self.status.phase(f"building plugins ({names})") as took:
-            self.plugins = build.build_plugins(cfg, self.ctx)
-        self.status.say(f"plugins ready in {took():.1f} s")
+        run = build.build_run(cfg, overwrite, self.resume, dataset)
+        self.dist, self.device, self.run_dir, self.status = run.dist, run.device, run.run_dir, run.status
+        self.models, self.ctx, self.plugins = run.models, run.ctx, run.plugins
+        self.data, self.eval_data = run.data, run.eval_data
         self.sampling = collector_contract(cfg)  # how the collector samples, as it declares
         self.temperature, self.truncation = self.sampling.temperature, self.sampling.truncation
         self.old_from_sampling = self._old_log_prob_from_sampling()
@@ -288,8 +261,8 @@ class Pipeline(RunState):
     @oom.explains
     @console.quiet_libraries()
     def train(self, callbacks: list | None = None) -> Path:
-        """Run the remaining steps with `default_callbacks` (metrics, samples, evaluation, health,
-        checkpoints) and ``callbacks`` after them, then save the final policy. Resuming a run
+        """Run the remaining steps with `default_callbacks` (evaluation, health, your ``callbacks``,
+        metrics and samples, checkpoints), then save the final policy. Resuming a run
         whose ``final/`` is at ``run.steps`` already says so and trains nothing. A callback that
         sets ``stopped_by`` (health, for ``health.stop_on``) stops the run after a checkpoint,
         without ``final/``."""
@@ -299,7 +272,7 @@ class Pipeline(RunState):
                 print(done)
                 return self.run_dir
             self._restore()
-        with Hooks(self, [*default_callbacks(self), *(callbacks or [])]) as hooks:
+        with Hooks(self, default_callbacks(self, callbacks or ())) as hooks:
             if self.step_count == 0:
                 hooks.step_end(None, {"step": 0})  # before any update: evaluation's row
             while self.step_count < self.cfg.run.steps and self.stopped_by is None:
@@ -308,9 +281,11 @@ class Pipeline(RunState):
         if self.stopped_by is None:
             self.save_final()
         elif self.dist.is_main:
-            print(f"health: run stopped after step {self.step_count}: {self.stopped_by} is in "
-                  f"health.stop_on; checkpoint {checkpoint.latest(self.run_dir)} written, no "
-                  f"final/; change the settings and continue with --resume", file=sys.stderr)
+            why = (f"health: run stopped after step {self.step_count}: {self.stopped_by} is in "
+                   f"health.stop_on" if self.stopped_by in self.cfg.health.stop_on else
+                   f"run stopped after step {self.step_count} by {self.stopped_by}")
+            print(f"{why}; checkpoint {checkpoint.latest(self.run_dir)} written, no final/; "
+                  f"change the settings and continue with --resume", file=sys.stderr)
         close_collector(self.plugins.collector)  # e.g. stop a vLLM engine
         if self.evaluator is not None:
             close_collector(self.evaluator.collector)
@@ -321,7 +296,7 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, resume: b
           callbacks: list | None = None, **stages) -> Path:
     """Train with ``cfg``; returns the run directory (``config.yaml``, ``metrics.jsonl``, ``final/``).
     ``stages``: ``dataset`` and stage objects, as for `Pipeline`; ``callbacks``: your own
-    `rlpipe.core.run.callbacks.Callback` objects, run after the built-in ones."""
+    `rlpipe.core.run.callbacks.Callback` objects (`Pipeline.train`)."""
     return Pipeline(cfg, overwrite=overwrite, progress=progress, resume=resume,
                     **stages).train(callbacks)
 
