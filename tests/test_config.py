@@ -11,7 +11,8 @@ import yaml
 from click.testing import CliRunner
 
 from rlpipe.cli import main
-from rlpipe.core.config.settings import load_config, parse_overrides
+from rlpipe.core.base.yamlconf import parse_overrides
+from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.errors import UserError
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny"

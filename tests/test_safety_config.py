@@ -17,7 +17,8 @@ from click.testing import CliRunner
 
 from rlpipe.cli import main
 from rlpipe.core.run import build
-from rlpipe.core.config.settings import Config, LoraConfig, build_section, load_config
+from rlpipe.core.base.yamlconf import build_section
+from rlpipe.core.config.settings import Config, LoraConfig, load_config
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.base.yamlconf import Range, _set_dotted, rule_text, yaml_key
 from rlpipe.plugins.rewards.training import load_rm_config

@@ -28,12 +28,10 @@ from typing import Any, Literal
 from rlpipe.core.config.checks import check_config
 from rlpipe.core.base.hub import ModelPath
 from rlpipe.core.observe.health.monitor import HealthConfig
-from rlpipe.core.base.yamlconf import (  # noqa: F401 -- re-exported: the public loading helpers
-    Converter, Range, _load_yaml, _read_yaml, _set_dotted, build_section, num, parse_overrides,
-    read_config_file, rest, rest_field, yaml_key)
+from rlpipe.core.base.yamlconf import (Converter, num, read_config_file, rest, rest_field,
+                                       yaml_key)
 
 DEVICE_ENV = "RLPIPE_DEVICE"  # set: replaces run.device of every config (e.g. the tests on CUDA)
-_Converter = Converter  # the name this class had before it moved to rlpipe.core.base.yamlconf
 
 
 @dataclass

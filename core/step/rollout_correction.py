@@ -38,7 +38,6 @@ from rlpipe.core.step import kl
 from rlpipe.core.base import schema
 from rlpipe.core.base.errors import UserError
 
-MODES = ("none", "tis", "mis", "bypass")
 WEIGHTED = ("tis", "mis")  # the modes whose weights the loss applies
 LEVELS = ("token", "sequence")
 _MAX_LOG = 700.0  # exp(700) is finite in float64

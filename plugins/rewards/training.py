@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from rlpipe.core.run.build import apply_lora, resolve_device, seed_everything
 from rlpipe.core.step.optim import make_optimizer, trainable
 from rlpipe.core.run import rundir
-from rlpipe.core.config.settings import LoraConfig, build_section, read_config_file
+from rlpipe.core.base.yamlconf import build_section, read_config_file
+from rlpipe.core.config.settings import LoraConfig
 from rlpipe.core.observe.console import quiet_libraries
 from rlpipe.core.base.files import read_jsonl
 from rlpipe.core.base.errors import UserError
