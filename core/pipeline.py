@@ -29,6 +29,7 @@ from rlpipe.core import (build, checkpoint, compose, console, distributed, guard
                          preflight, registry, samples, schema)
 from rlpipe.core import rollout_correction as correction
 from rlpipe.core.config import Config
+from rlpipe.core.config_checks import check_advantage
 from rlpipe.core.context import RunContext
 from rlpipe.core.collectors import (close_collector, collector_temperature, collector_truncation,
                                    request_actor_log_prob, request_hidden)
@@ -71,6 +72,7 @@ class Pipeline(RunState):
                  resume: bool = False, *, dataset=None, collector=None, rewards=None,
                  advantage=None, loss=None):
         cfg = compose.apply(cfg, collector=collector, rewards=rewards, advantage=advantage, loss=loss)
+        check_advantage(cfg)  # groups and KL placement for the advantage that runs
         self.cfg, self.progress = cfg, progress and cfg.log.progress
         self.resume = resume or cfg.run.resume == "auto"
         self.data, self.eval_data = load_run_data(cfg, dataset)  # bad data fails before models
@@ -99,6 +101,8 @@ class Pipeline(RunState):
                            cfg.loss.name])
         with self.status.phase(f"building plugins ({names})") as took:
             self.plugins = build.build_plugins(cfg, self.ctx)
+            kl.check_placement(cfg.kl.in_, cfg.kl.coef, self.plugins.advantage,
+                               registry.label_of(self.plugins.advantage))
         self.status.say(f"plugins ready in {took():.1f} s")
         self.temperature = collector_temperature(self.plugins.collector)
         self.truncation = collector_truncation(self.plugins.collector)  # score_truncated

@@ -234,7 +234,12 @@ def load(group: str, name: str):
 # Optional attributes a plugin class may declare, per group, with the value core uses when it does
 # not; core reads them only through `declared`.
 DECLARED = {
-    "advantages": {"needs_critic": True},  # False: the estimator reads no value; no critic is built
+    # needs_critic False: the estimator reads no value, no critic is built; needs_groups True:
+    # it compares the samples of a prompt (collector n >= 2); kl_in: where the KL penalty goes
+    # unless kl.in says ("loss" for group-relative scores); group_normalised True: it divides
+    # each group's scores by their spread, so a KL in the score is refused (rlpipe.core.kl)
+    "advantages": {"needs_critic": True, "needs_groups": False, "kl_in": "reward",
+                   "group_normalised": False},
     # read through rlpipe.core.collectors, which also checks the values
     "collectors": {"temperature": 1.0, "max_new_tokens": 0, "close": None,
                    "score_truncated": False, "top_k": 0, "top_p": 1.0, "record_hidden": None,
