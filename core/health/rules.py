@@ -307,7 +307,7 @@ class FlatGroups(Rule):
     panel = "reward"
     remedy = ("most prompts get the same score for every sample: make the reward graded "
               "(partial credit), raise collector.n or collector.temperature, use prompts the "
-              "policy solves sometimes (not always or never), or set data.skip_flat_groups")
+              "policy solves sometimes (not always or never)")
 
     def check(self, h: History) -> str | None:
         flat = h.last("reward/zero_std_frac", self.window)
