@@ -60,6 +60,10 @@ def short(responses):
     return [float(len(r) < 20) for r in responses]
 
 
+def short_reward(prompts, responses, **batch):
+    return short(responses)
+
+
 def test_objects_only_train_without_plugin_sections(tmp_path):
     cfg = load_config(bare_config(tmp_path))
     assert cfg.rewards == [] and cfg.advantage.name == "gae"  # defaults, replaced below
@@ -136,7 +140,9 @@ def test_critic_follows_the_advantage_object_never_the_name():
                                      "shape: expected a torchrl.objectives.LossModule subclass"]),
     ("rewards", [42], ["rewards.0: builtins:int (a Python object): wrong shape"]),
     ("rewards", [("a", "heavy", short)], ["rewards.0: weight must be a finite number, got 'heavy'"]),
-    ("rewards", [short, short], ["rewards: duplicate reward labels ['short', 'short']"]),
+    ("rewards", [short_reward, short_reward],
+     ["rewards: duplicate reward labels ['short_reward', 'short_reward']"]),
+    ("rewards", [short], ["reward function short(responses) fits no accepted signature"]),
     ("rewards", [functools.partial(short, 1)], ["rewards.0: a functools.partial with positional"]),
 ])
 def test_an_object_of_the_wrong_kind_is_one_user_error_before_any_model(tmp_path, stage, obj,

@@ -259,3 +259,24 @@ def test_tiny_run_with_each_estimator(tmp_path, name, one_thread):
     rows = [json.loads(line) for line in (pipe.train() / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
     assert all(isinstance(rows[0][k], float) for k in ("reward/score", "policy/loss"))
+
+
+def test_zero_std_frac_matches_a_python_loop():
+    """`reward/zero_std_frac`: groups of two or more whose scores are all equal, over those
+    groups, against a plain loop over random groups with repeated scores."""
+    from rlpipe.core.observe.samples import flat_groups, zero_std_frac
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        group_id = torch.randint(0, 6, (24,), generator=g) * 7 - 3
+        score = torch.randint(0, 2, (24,), generator=g).float()
+        groups = {}
+        for i, gid in enumerate(group_id.tolist()):
+            groups.setdefault(gid, []).append(score[i].item())
+        sized = [v for v in groups.values() if len(v) >= 2]
+        expected = sum(max(v) == min(v) for v in sized) / len(sized)
+        assert zero_std_frac(score, group_id) == {"reward/zero_std_frac": expected}
+        flat, count = flat_groups(score, group_id)
+        assert count == len(sized)
+        assert flat.tolist() == [len(groups[k]) >= 2 and max(groups[k]) == min(groups[k])
+                                 for k in group_id.tolist()]

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
 BUILTIN = {"kl_explosion", "kl_nonzero_at_start", "reward_hacking_length", "reward_hacking_loop",
            "value_not_learning", "clip_high", "entropy_collapse", "grad_spikes", "truncation",
-           "nan_skips"}
+           "nan_skips", "flat_groups"}
 
 
 def rows_of(**series) -> list[dict]:
@@ -74,6 +74,9 @@ CASES = {  # rule: (a history that must fire it, at this step; one that must not
     "nan_skips": [
         (rows_of(**{"train/skipped_minibatches": [0, 0, 2, 0]}), 3),
         rows_of(**{"train/skipped_minibatches": [0] * 6})],
+    "flat_groups": [
+        (rows_of(**{"reward/zero_std_frac": [0.25, 0.75, 1.0]}), 3),  # mean 0.67 > 0.5
+        rows_of(**{"reward/zero_std_frac": [1.0, 0.25, 0.25, 0.5, 0.5]})],  # never a mean > 0.5
 }
 
 

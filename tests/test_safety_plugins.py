@@ -158,7 +158,7 @@ def write_config(tmp_path: Path, **sections) -> Path:
     raw["advantage"] = {"name": "grpo"}
     raw["train"].update(epochs=1, minibatches=1)
     for key, value in sections.items():
-        raw[key] = value
+        raw[key] = {"n": 2, **value} if key == "collector" else value  # GRPO needs groups
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

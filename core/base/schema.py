@@ -23,6 +23,7 @@ RESPONSE_IDS = "response_ids"    # [B, R] long: response tokens, right-padded, E
 RESPONSE_MASK = "response_mask"  # [B, R] bool: true on real response tokens (EOS included)
 PROMPT_TEXT = "prompt_text"      # [B] non-tensor str
 RESPONSE_TEXT = "response_text"  # [B] non-tensor str
+PROMPT_MESSAGES = "prompt_messages"  # [B] non-tensor: a chat prompt's messages (chat datasets only)
 GROUP_ID = "group_id"            # [B] long: index of the prompt a sample came from
 FINISHED = "finished"            # [B] bool: ended with EOS (false: cut at max_new_tokens)
 ENGINE_LOG_PROB = "engine_log_prob"  # [B, R] float: log-probs reported by the engine

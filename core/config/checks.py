@@ -18,7 +18,10 @@ what needs several keys, or a plugin's signature, or the model's ``config.json``
   ``rollout_correction.old_log_prob: sampling`` needs mode none (the other modes measure the
   engine against a trainer forward, or take the engine's log-probs);
 - ``models.autocast`` and ``distributed.bf16`` are two ways to compute in bf16: one at a time;
-- ``eval.*`` settings without ``eval.prompts`` are a warning (nothing is evaluated).
+- ``eval.*`` settings without ``eval.prompts`` are a warning (nothing is evaluated);
+- an advantage that declares ``needs_groups`` (grpo, rloo) needs collector ``n >= 2``; ``kl.in``
+  and ``kl.estimator`` left null are chosen for the advantage, and the pairs that cannot
+  regularise or that turn KL noise into signal are refused (`rlpipe.core.config.kl_placement`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from rlpipe.core.models.critic_start import check_critic_start
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.data.prompts import data_source
 from rlpipe.core.observe.health import load_rules
+from rlpipe.core.config.kl_placement import check_placement, resolve_placement
 
 PLUGIN_GROUPS = {"collector": "collectors", "advantage": "advantages", "loss": "losses",
                  "rewards": "rewards"}
@@ -67,6 +71,7 @@ def check_config(cfg, conv) -> None:
     check_batches(cfg)
     check_context(cfg)
     check_rollout_correction(cfg)
+    check_advantage(cfg)
     cfg.health.resolved = load_rules(cfg.health, conv)
 
 
@@ -231,3 +236,30 @@ def check_rollout_correction(cfg) -> None:
                         f"engine's, which come from the top-k/top-p truncated distribution "
                         f"(collector.top_k={top_k}, collector.top_p={top_p}); set "
                         f"collector.score_truncated: true")
+
+
+def check_advantage(cfg) -> None:
+    """Groups for an advantage that needs them; ``kl.in`` and ``kl.estimator`` for it
+    (`rlpipe.core.config.kl_placement`)."""
+    plugin = resolve_plugin(cfg.advantage, "advantages")
+    label = f"advantage {plugin.spec.label}"
+    n = collector_contract(cfg).samples_per_prompt
+    if registry.declared("advantages", plugin.obj, "needs_groups") and n < 2:
+        raise UserError(f"collector.n: {label} compares the samples of each prompt, so it needs "
+                        f"collector.n >= 2 (got {n}); with one sample per prompt it never updates")
+    resolve_placement(cfg.kl, plugin.obj)
+    advantage = _advantage_instance(plugin, cfg.advantage, label)
+    if advantage is not None:
+        check_placement(cfg.kl.in_, cfg.kl.coef, advantage, label)
+
+
+def _advantage_instance(plugin, section, label: str):
+    """The advantage as the run would build it, where that needs no `RunContext` (a declaration
+    such as ``group_normalised`` may follow its arguments); else None (checked at build)."""
+    obj, spec = plugin.obj, plugin.spec
+    if not inspect.isclass(obj):
+        return obj if getattr(spec, "instance", None) is not None else None
+    if "ctx" in inspect.signature(obj).parameters:
+        return None
+    kwargs = dict(spec.kwargs) if hasattr(spec, "factory") else references.plugin_args(section)
+    return registry.instantiate(obj, kwargs, None, label)

@@ -127,11 +127,15 @@ class EvalConfig:
 @dataclass
 class KLConfig:
     coef: float = num(0.05, ">= 0")                 # beta, or the adaptive controller's start
-    estimator: Literal["k1", "k2", "k3"] = "k1"
+    # null: k1 in the reward, k2 in the loss (k1's gradient is 0 on-policy); rlpipe.core.step.kl
+    estimator: Literal["k1", "k2", "k3"] | None = None
     clamp: float | None = num(10.0, "> 0")          # bound log pi - log pi_ref to +-clamp (null: off)
-    in_: Literal["reward", "loss"] = field(default="reward", metadata={"yaml": "in"})
+    # null: where the advantage declares (kl_in): the loss for group-relative estimators (grpo,
+    # rloo), the reward for the others (gae, reinforce_pp); load_config writes the choice here
+    in_: Literal["reward", "loss"] | None = field(default=None, metadata={"yaml": "in"})
     target: float | None = num(None, "> 0")         # set: adaptive controller (Ziegler et al. 2019)
     horizon: int = num(10000, ">= 1")
+    auto = None  # not a field: the keys load_config chose (`rlpipe.core.config.kl_placement.resolve_placement`)
 
 
 @dataclass

@@ -231,7 +231,12 @@ def load(group: str, name: str):
 # Optional attributes a plugin class may declare, per group, with the value core uses when it does
 # not; core reads them only through `declared`.
 DECLARED = {
-    "advantages": {"needs_critic": True},  # False: the estimator reads no value; no critic is built
+    # needs_critic False: the estimator reads no value, no critic is built; needs_groups True:
+    # it compares the samples of a prompt (collector n >= 2); kl_in: where the KL penalty goes
+    # unless kl.in says ("loss" for group-relative scores); group_normalised True: it divides
+    # each group's scores by their spread, so a KL in the score is refused (rlpipe.core.step.kl)
+    "advantages": {"needs_critic": True, "needs_groups": False, "kl_in": "reward",
+                   "group_normalised": False},
     # read through rlpipe.core.contracts.collector: the contract, then optional methods
     "collectors": {"contract": None, "close": None, "record_hidden": None,
                    "record_actor_log_prob": None, "sampling_view": None},

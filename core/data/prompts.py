@@ -228,14 +228,17 @@ class PromptData:
 
     def attach(self, batch, rows: list[int]) -> None:
         """Write each column of ``rows[group_id]`` into ``batch`` under ``("data", COLUMN)``:
-        bool/int/float columns as tensors (int64, float64), the rest as non-tensor entries."""
-        if not self.columns:
+        bool/int/float columns as tensors (int64, float64), the rest as non-tensor entries; chat
+        prompts' messages under ``prompt_messages``."""
+        if not self.columns and not self.chat:
             return
         groups = batch[schema.GROUP_ID].tolist()
         if groups and not (0 <= min(groups) and max(groups) < len(rows)):
             raise UserError(f"the collector returned group_id {max(groups)} for {len(rows)} "
                             f"prompts; group_id must index the prompts of the collect() call")
         picked = [rows[g] for g in groups]
+        if self.chat:  # the messages, for reward functions that read conversations (TRL's)
+            batch.set(schema.PROMPT_MESSAGES, NonTensorStack(*[self.prompts[i] for i in picked]))
         for name, values in self.columns.items():
             batch.set((schema.DATA, name), column_entry([values[i] for i in picked],
                                                      self.kinds[name], batch.device))

@@ -43,15 +43,53 @@ def spread(name: str, values: torch.Tensor) -> dict[str, float]:
             f"{name}/max": float(values.max())}
 
 
+def flat_groups(score: torch.Tensor, group_id: torch.Tensor,
+                tol: float = 1e-6) -> tuple[torch.Tensor, int]:
+    """``(flat, groups)``: per sample, whether its group (samples sharing ``group_id``, at least
+    two) scored every sample the same (max - min <= ``tol``), so a group-relative advantage is 0
+    for all of them; and how many groups of two or more samples there are.
+
+    >>> flat_groups(torch.tensor([1.0, 1.0, 0.0, 2.0, 5.0]), torch.tensor([0, 0, 1, 1, 2]))
+    (tensor([ True,  True, False, False, False]), 2)
+    """
+    groups, member = torch.unique(group_id, return_inverse=True)
+    score = score.detach().double()
+    high = score.new_full((len(groups),), -math.inf).scatter_reduce(0, member, score, "amax")
+    low = score.new_full((len(groups),), math.inf).scatter_reduce(0, member, score, "amin")
+    size = torch.bincount(member, minlength=len(groups))
+    flat = (high - low <= tol) & (size >= 2)
+    return flat[member], int((size >= 2).sum())
+
+
+def zero_std_frac(score: torch.Tensor, group_id: torch.Tensor) -> dict[str, float]:
+    """``{"reward/zero_std_frac": f}``: the fraction of groups (of two or more samples) whose
+    scores are all equal (TRL's ``frac_reward_zero_std``); empty with no such group (n = 1).
+
+    >>> zero_std_frac(torch.tensor([1.0, 1.0, 0.0, 2.0]), torch.tensor([0, 0, 1, 1]))
+    {'reward/zero_std_frac': 0.5}
+    >>> zero_std_frac(torch.tensor([1.0, 2.0]), torch.tensor([0, 1]))
+    {}
+    """
+    flat, groups = flat_groups(score, group_id)
+    if not groups:
+        return {}
+    ids, member = torch.unique(group_id, return_inverse=True)
+    per_group = torch.zeros(len(ids), dtype=torch.bool).index_put_((member.cpu(),), flat.cpu())
+    return {"reward/zero_std_frac": float(per_group.sum()) / groups}
+
+
 def step_stats(batch, kl_tok: torch.Tensor, max_new_tokens: int = 0,
                has_critic: bool = False) -> dict[str, float]:
     """The rollout's statistics beyond the means: ``reward/score`` and ``reward/<label>``
     spread, response length maximum and 90th percentile (linear interpolation, as numpy's
     default), the fraction cut at ``max_new_tokens`` (when known, else: not finished), the largest
-    per-sequence KL, and with a critic the masked means of the values and of the returns."""
+    per-sequence KL, the fraction of groups whose scores are all equal, and with a critic the
+    masked means of the values and of the returns."""
     mask = batch[S.RESPONSE_MASK]
     lengths = mask.sum(-1).double()
     out = spread("reward/score", batch[S.SCORE])
+    if S.GROUP_ID in batch.keys():
+        out.update(zero_std_frac(batch[S.SCORE], batch[S.GROUP_ID]))
     if S.SCORE_PARTS in batch.keys():
         for label, part in batch[S.SCORE_PARTS].items():
             out.update(spread(f"reward/{label}", part))

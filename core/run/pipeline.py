@@ -39,6 +39,7 @@ from rlpipe.core.base import schema
 from rlpipe.core.step import rollout_correction as correction
 from rlpipe.core.config.settings import Config
 from rlpipe.core.config.checks import collector_contract
+from rlpipe.core.config.kl_placement import check_placement
 from rlpipe.core.contracts.collector import close_collector, request_actor_log_prob, request_hidden
 from rlpipe.core.models.critic_start import CriticWarmup
 from rlpipe.core.data.streams import PromptStream
@@ -46,7 +47,8 @@ from rlpipe.core.step.evaluation import Evaluator, eval_collector
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.observe.metrics import to_float
 from rlpipe.core.models.lm import (cpu_has_bf16, logprobs_and_values, response_logprobs,
-                                response_values)
+                                   response_values)
+from rlpipe.core.config.checks import check_advantage
 from rlpipe.core.base.ops import masked_mean
 from rlpipe.core.data.prompts import check_reward_columns
 from rlpipe.core.run.run_state import RunState
@@ -70,12 +72,15 @@ class Pipeline(RunState):
                  resume: bool = False, *, dataset=None, collector=None, rewards=None,
                  advantage=None, loss=None):
         cfg = compose.apply(cfg, collector=collector, rewards=rewards, advantage=advantage, loss=loss)
+        check_advantage(cfg)  # groups and KL placement for the advantage that runs
         self.cfg, self.progress = cfg, progress and cfg.log.progress
         self.resume = resume or cfg.run.resume == "auto"
         run = build.build_run(cfg, overwrite, self.resume, dataset)
         self.dist, self.device, self.run_dir, self.status = run.dist, run.device, run.run_dir, run.status
         self.models, self.ctx, self.plugins = run.models, run.ctx, run.plugins
         self.data, self.eval_data = run.data, run.eval_data
+        check_placement(cfg.kl.in_, cfg.kl.coef, self.plugins.advantage,
+                        registry.label_of(self.plugins.advantage))
         self.sampling = collector_contract(cfg)  # how the collector samples, as it declares
         self.temperature, self.truncation = self.sampling.temperature, self.sampling.truncation
         self.old_from_sampling = self._old_log_prob_from_sampling()

@@ -22,8 +22,6 @@ from rlpipe.core.base.ops import last_token_index
 
 ESTIMATORS = ("k1", "k2", "k3")
 WHERE = ("reward", "loss")
-
-
 def estimate(log_ratio: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """Per-token estimate of KL(q || p) from ``log_ratio = log q(x) - log p(x)`` at tokens ``x``
     sampled from q (Schulman, "Approximating KL divergence"): k1 = log_ratio (unbiased, may be

@@ -58,11 +58,20 @@ class GRPO(TensorDictModuleBase):
     (see `grpo_advantage`) and ``value_target``, a copy of the advantage: there is no critic,
     so nothing reads it.
 
-    >>> GRPO().in_keys, GRPO.needs_critic
-    (['reward', 'response_mask', 'group_id'], False)
+    It needs groups (``collector.n >= 2``); the KL penalty goes in the loss unless ``kl.in``
+    says otherwise, and ``kl.in: reward`` is refused while it divides by the group std
+    (``group_normalised``): the std scaling would turn the scores' KL noise into signal.
+
+    >>> GRPO().in_keys, GRPO.needs_critic, GRPO.needs_groups, GRPO.kl_in
+    (['reward', 'response_mask', 'group_id'], False, True, 'loss')
+    >>> GRPO().group_normalised, GRPO(scale_std=False).group_normalised
+    (True, False)
     """
 
     needs_critic = False
+    needs_groups = True
+    kl_in = "loss"
+    group_normalised = True
     in_keys = [REWARD, RESPONSE_MASK, GROUP_ID]
     out_keys = [ADVANTAGE, VALUE_TARGET]
 
@@ -73,6 +82,7 @@ class GRPO(TensorDictModuleBase):
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise UserError(f"advantage 'grpo': eps must be a number > 0, got {eps!r}")
         self.scale_std, self.eps = scale_std, float(eps)
+        self.group_normalised = scale_std
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         advantage = grpo_advantage(td.get(REWARD), td.get(RESPONSE_MASK), td.get(GROUP_ID),

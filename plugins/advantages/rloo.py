@@ -54,11 +54,16 @@ class RLOO(TensorDictModuleBase):
     (see `rloo_advantage`; whitened over all valid tokens of the batch when ``whiten``) and
     ``value_target``, a copy of the advantage: there is no critic, so nothing reads it.
 
-    >>> RLOO(whiten=True).in_keys, RLOO.needs_critic
-    (['reward', 'response_mask', 'group_id'], False)
+    It needs groups (``collector.n >= 2``); the KL penalty goes in the loss unless ``kl.in``
+    says otherwise (in the reward it is allowed: no group std divides the scores).
+
+    >>> RLOO(whiten=True).in_keys, RLOO.needs_critic, RLOO.needs_groups, RLOO.kl_in
+    (['reward', 'response_mask', 'group_id'], False, True, 'loss')
     """
 
     needs_critic = False
+    needs_groups = True
+    kl_in = "loss"
     in_keys = [REWARD, RESPONSE_MASK, GROUP_ID]
     out_keys = [ADVANTAGE, VALUE_TARGET]
 

@@ -288,3 +288,32 @@ class NanSkips(Rule):
             where = f"over {_span(h, self.window)}" if self.window > 1 else f"at step {h.step}"
             return f"{sum(skipped):g} minibatch(es) skipped {where} (non-finite loss or gradient)"
         return None
+
+
+@dataclass
+class FlatGroups(Rule):
+    """More than ``threshold`` of the groups (the samples of one prompt) scored all their samples
+    the same, on average over the last ``window`` steps: a group-relative advantage (grpo, rloo)
+    is 0 for them, and those prompts teach nothing.
+
+    >>> from rlpipe.core.contracts.rule import History
+    >>> FlatGroups().check(History([{"step": s, "reward/zero_std_frac": 0.9} for s in (1, 2, 3)]))
+    'reward/zero_std_frac 0.9 (mean of steps 1-3) > 0.5: most groups carry no reward signal'
+    """
+
+    window: int = num(3, "in [1, 1000]")
+    threshold: float = num(0.5, "in [0, 1)")
+    reads = ("reward/zero_std_frac",)
+    panel = "reward"
+    remedy = ("most prompts get the same score for every sample: make the reward graded "
+              "(partial credit), raise collector.n or collector.temperature, use prompts the "
+              "policy solves sometimes (not always or never)")
+
+    def check(self, h: History) -> str | None:
+        flat = h.last("reward/zero_std_frac", self.window)
+        if len(flat) == self.window and finite(h.latest.get("reward/zero_std_frac")) \
+                and mean(flat) > self.threshold:
+            where = f"mean of {_span(h, self.window)}" if self.window > 1 else f"step {h.step}"
+            return (f"reward/zero_std_frac {mean(flat):.3g} ({where}) > {self.threshold:g}: "
+                    f"most groups carry no reward signal")
+        return None
