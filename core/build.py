@@ -76,21 +76,24 @@ def finished_message(cfg: Config, resume: bool = False) -> str | None:
 
 
 def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
-                    is_main: bool = True) -> Path:
-    """Create the run directory with its marker and resolved config (rank 0 only). An earlier run
-    is kept for ``resume`` and cleared with ``overwrite``; anything else is refused."""
+                    is_main: bool = True) -> tuple[Path, rundir.Held | None]:
+    """Create the run directory with its marker and resolved config (rank 0 only), and its lock
+    (`rundir.hold`: held until released or the process ends). An earlier run is kept for
+    ``resume`` and cleared with ``overwrite``; anything else is refused."""
     if not is_main:  # rank 0 checks and writes; another rank would see rank 0's files
-        return Path(cfg.run.output_dir).expanduser().resolve()
-    run_dir, found, changes = _check_run_dir(cfg, overwrite, resume)
+        return Path(cfg.run.output_dir).expanduser().resolve(), None
+    run_dir = _check_run_dir(cfg, overwrite, resume)[0]  # refused before anything is written
+    lock = rundir.hold(run_dir, "run.output_dir")
+    run_dir, found, changes = _check_run_dir(cfg, overwrite, resume)  # again, as its owner
     if found == "run" and (resume or cfg.run.resume == "auto"):
         if changes:  # config.yaml is rewritten once the checkpoint is loaded
             shown = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
             print(f"warning: resuming {run_dir} with changed settings, applied from here on: "
                   f"{shown}", file=sys.stderr)
-        return run_dir
+        return run_dir, lock
     rundir.prepare(run_dir, rundir.RUN_LAYOUT, found)
     save_config(cfg, run_dir / "config.yaml")
-    return run_dir
+    return run_dir, lock
 
 
 def apply_lora(model: torch.nn.Module, lora, task_type: str | None, key: str):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rlpipe.core import checkpoint
+from rlpipe.core import checkpoint, rundir
 from rlpipe.core.errors import UserError
 
 POLICY = "policy"
@@ -103,9 +103,19 @@ def export(run_dir: Path, out: Path, step: int | None = None, merge: bool = True
     """Write the policy of checkpoint ``step`` (default: the newest) of ``run_dir`` to ``out`` as a
     ``save_pretrained`` folder with its tokenizer: a LoRA actor merged into its base (``merge``)
     or as the adapter alone. Returns ``out``."""
+    run_dir = Path(run_dir).expanduser().resolve()
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{run_dir} is not an rlpipe run directory (no config.yaml)")
+    lock = rundir.hold(run_dir, "RUN_DIR", shared=True)  # no run, --resume or --overwrite meanwhile
+    try:
+        return _export(run_dir, out, step, merge)
+    finally:
+        lock.release()
+
+
+def _export(run_dir: Path, out, step: int | None, merge: bool) -> Path:
     from rlpipe.core.config import load_config
 
-    run_dir = Path(run_dir)
     path = find_checkpoint(run_dir, step)
     cfg = load_config(run_dir / "config.yaml")
     lora = cfg.models.actor.lora is not None

