@@ -90,6 +90,7 @@ def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
             shown = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
             print(f"warning: resuming {run_dir} with changed settings, applied from here on: "
                   f"{shown}", file=sys.stderr)
+        rundir.clear_leftovers(run_dir)
         return run_dir, lock
     rundir.prepare(run_dir, rundir.RUN_LAYOUT, found)
     save_config(cfg, run_dir / "config.yaml")

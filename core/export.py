@@ -14,6 +14,7 @@ checkpoint's weights into it and saves it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -123,13 +124,19 @@ def _export(run_dir: Path, out, step: int | None, merge: bool) -> Path:
         raise UserError(f"--adapter: {run_dir}'s actor has no LoRA adapter (models.actor.lora is "
                         f"null); export without --adapter writes the full model")
     out = _check_out(out)
-    saved = path / POLICY
-    if saved.is_dir() and not (lora and merge):  # the checkpoint's own folder is the answer
-        shutil.copytree(saved, out, dirs_exist_ok=True)
-        return out
-    with torch.no_grad():
-        actor, tokenizer = _rebuilt_actor(cfg, path)
-        if lora and merge:
-            actor = actor.merge_and_unload()
-        save_policy(actor, tokenizer, out, cfg.models.actor.path)
+    tmp = out.with_name(f".{out.name}.tmp-export-{os.getpid()}")  # beside OUT, then renamed
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        saved = path / POLICY
+        if saved.is_dir() and not (lora and merge):  # the checkpoint's own folder is the answer
+            shutil.copytree(saved, tmp)
+        else:
+            with torch.no_grad():
+                actor, tokenizer = _rebuilt_actor(cfg, path)
+                if lora and merge:
+                    actor = actor.merge_and_unload()
+                save_policy(actor, tokenizer, tmp, cfg.models.actor.path)
+        tmp.rename(out)  # onto a missing or empty OUT
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -61,11 +61,13 @@ HF_FOLDER = ("config.json", "generation_config.json", "model*.safetensors",
 RUN_LAYOUT = Layout(
     "run", "run directory",
     (MARKER, LOCK, "config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "final",
-     "report", "tensorboard", "wandb", "samples"),
-    ("checkpoints", "final", "report", "tensorboard", "wandb", "samples"),
+     ".tmp-final", ".trash-final", "report", "tensorboard", "wandb", "samples"),
+    ("checkpoints", "final", ".tmp-final", ".trash-final", "report", "tensorboard", "wandb",
+     "samples"),
     (MARKER, LOCK, "config.yaml", "metrics.jsonl", "tensorboard", "wandb", "samples"),
-    # tensorboard/ and wandb/ are those libraries' own: not looked into
-    (("final", HF_FOLDER),
+    # tensorboard/ and wandb/ are those libraries' own, .tmp-final/ a cut `publish`: not looked
+    # into; final/.tmp*: a save_pretrained cut by a kill before rlpipe published final/ whole
+    (("final", (*HF_FOLDER, ".tmp*")),
      ("samples", ("step-*.jsonl", "eval-step-*.jsonl", "*.jsonl.tmp")),
      ("report", ("*.png", "samples.md")),
      ("checkpoints", tuple(f"{kind}step-{STEP_DIGITS}{more}/" for kind in ("", ".tmp-", ".trash-")
@@ -313,6 +315,12 @@ def hold(out: Path, key: str, shared: bool = False) -> Held:
 _HELD: dict[Path, Held] = {}
 
 
+def release_all() -> None:
+    """Release every run directory this process holds (a run that failed: its lock file goes)."""
+    while _HELD:
+        _HELD.popitem()[1].release()
+
+
 def _same_file(path: Path, file) -> bool:
     try:
         now = os.stat(path)
@@ -330,6 +338,41 @@ def _alive(pid: int) -> bool:
     except OSError:
         return True
     return True
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Put folder ``tmp`` in the place of ``final`` (which may exist): at every moment either the
+    old or the new folder is there whole, or neither (a kill between the renames: the next
+    --resume rewrites it).
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> for name in ("final", ".tmp-final"):
+    ...     (d / name).mkdir(); _ = (d / name / "w").write_text(name)
+    >>> publish(d / ".tmp-final", d / "final"); sorted(p.name for p in d.iterdir())
+    ['final']
+    >>> (d / "final" / "w").read_text()
+    '.tmp-final'
+    """
+    trash = final.with_name(".trash-" + final.name)
+    if final.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+        final.rename(trash)
+    tmp.rename(final)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clear_leftovers(out: Path) -> None:
+    """Remove what a killed run of rlpipe's left half-written at the top of run directory
+    ``out`` (checkpoint folders: `rlpipe.core.checkpoint`): ``.tmp-final/``, ``.trash-final/``,
+    ``*.jsonl.tmp``, and a ``final/`` its marker does not record as finished."""
+    for name in (".tmp-final", ".trash-final"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for tmp in [out / "metrics.jsonl.tmp", *(out / "samples").glob("*.jsonl.tmp")]:
+        tmp.unlink(missing_ok=True)
+    final = out / "final"
+    if final.is_dir() and not final.is_symlink() and finished_step(out) is None:
+        shutil.rmtree(final)
 
 
 def finished_step(out: Path) -> int | None:
