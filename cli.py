@@ -40,6 +40,14 @@ def _user_errors(command):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except OSError as exc:  # a write the OS refused where rlpipe did not expect one
+            from rlpipe.core.errors import WRITE_ERRNOS
+
+            if debug or exc.errno not in WRITE_ERRNOS:
+                raise
+            click.echo(f"error: cannot write {exc.filename or 'a file'}: {exc.strerror}; free "
+                       f"space or fix permissions and run again", err=True)
+            sys.exit(2)
 
     return click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")(wrapper)
 

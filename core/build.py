@@ -21,7 +21,7 @@ from rlpipe.core.config_checks import resolve_plugin
 from rlpipe.core.context import RunContext
 from rlpipe.core.collectors import collector_max_new_tokens
 from rlpipe.core.critic_start import critic_from_reward_model
-from rlpipe.core.errors import UserError
+from rlpipe.core.errors import UserError, writing
 from rlpipe.core.lora import allow_merging
 from rlpipe.core.models import (Models, ValueModel, enable_checkpointing, frozen_copy,
                                 load_causal_lm, load_tokenizer)
@@ -83,7 +83,8 @@ def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
     if not is_main:  # rank 0 checks and writes; another rank would see rank 0's files
         return Path(cfg.run.output_dir).expanduser().resolve(), None
     run_dir = _check_run_dir(cfg, overwrite, resume)[0]  # refused before anything is written
-    lock = rundir.hold(run_dir, "run.output_dir")
+    with writing(run_dir, "the run directory and its lock"):
+        lock = rundir.hold(run_dir, "run.output_dir")
     run_dir, found, changes = _check_run_dir(cfg, overwrite, resume)  # again, as its owner
     if found == "run" and (resume or cfg.run.resume == "auto"):
         if changes:  # config.yaml is rewritten once the checkpoint is loaded
@@ -92,8 +93,9 @@ def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
                   f"{shown}", file=sys.stderr)
         rundir.clear_leftovers(run_dir)
         return run_dir, lock
-    rundir.prepare(run_dir, rundir.RUN_LAYOUT, found)
-    save_config(cfg, run_dir / "config.yaml")
+    with writing(run_dir, "its marker and config.yaml"):
+        rundir.prepare(run_dir, rundir.RUN_LAYOUT, found)
+        save_config(cfg, run_dir / "config.yaml")
     return run_dir, lock
 
 
