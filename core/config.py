@@ -18,6 +18,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any, Literal
 import yaml
 
 from rlpipe.core.config_checks import check_config
+from rlpipe.core.errors import UserError
 from rlpipe.core.hub import ModelPath
 from rlpipe.core.yamlconf import (  # noqa: F401 -- re-exported: the public loading helpers
     Converter, Range, _load_yaml, _read_yaml, _set_dotted, build_section, num, parse_overrides,
@@ -288,16 +290,35 @@ def _dump(obj):
     return str(obj) if isinstance(obj, Path) else obj
 
 
-def load_config(path, overrides=()) -> Config:
-    """Read a YAML config, apply ``KEY=VALUE`` overrides, and check every key, type, range, file
-    and plugin argument, and the rules between keys (`rlpipe.core.config_checks`), before any
-    model is built."""
-    path = Path(path)
-    raw, cli_keys = read_config_file(path, overrides)
+def load_config(source, overrides=()) -> Config:
+    """Read a YAML config (a path), or take a dict of the same shape or a `Config`, apply
+    ``KEY=VALUE`` overrides, and check every key, type, range, file and plugin argument, and the
+    rules between keys (`rlpipe.core.config_checks`), before any model is built. A dict's
+    relative paths are relative to the working directory.
+
+    >>> cfg = load_config({"models": {"actor": {"path": "examples/tiny/model", "init": "random"}},
+    ...                    "data": {"prompts": "examples/tiny/prompts.txt"}}, ["run.steps=2"])
+    >>> cfg.run.steps, load_config(cfg, ["run.steps=3"]).run.steps, cfg.run.steps
+    (2, 3, 2)
+    """
+    if isinstance(source, Config):
+        source = source.to_dict()  # its paths are absolute already
+    if isinstance(source, dict):
+        raw, base = copy.deepcopy(source), Path.cwd()
+        parsed = parse_overrides(overrides)
+        for dotted, value in parsed.items():
+            _set_dotted(raw, dotted, value)
+        cli_keys = set(parsed)
+    elif isinstance(source, (str, os.PathLike)):
+        raw, cli_keys = read_config_file(Path(source), overrides)
+        base = Path(source).resolve().parent
+    else:
+        raise UserError(f"a config is a Config, a dict or the path of a YAML file, not "
+                        f"{type(source).__name__}")
     device = os.environ.get(DEVICE_ENV)
     if device and "run.device" not in cli_keys and isinstance(raw.get("run", {}), dict):
         raw.setdefault("run", {})["device"] = device  # the file < RLPIPE_DEVICE < KEY=VALUE
-    conv = Converter(path.resolve().parent, cli_keys)
+    conv = Converter(base, cli_keys)
     cfg = conv.section(Config, raw, "")
     check_config(cfg, conv)
     return cfg

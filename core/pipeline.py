@@ -28,7 +28,7 @@ from tensordict import TensorDict
 from rlpipe.core import (build, checkpoint, compose, console, distributed, guards, kl, oom,
                          preflight, registry, samples, schema)
 from rlpipe.core import rollout_correction as correction
-from rlpipe.core.config import Config
+from rlpipe.core.config import Config, load_config
 from rlpipe.core.context import RunContext
 from rlpipe.core.collectors import (close_collector, collector_temperature, collector_truncation,
                                    request_actor_log_prob, request_hidden)
@@ -70,6 +70,7 @@ class Pipeline(RunState):
     def __init__(self, cfg: Config, overwrite: bool = False, progress: bool = True,
                  resume: bool = False, *, dataset=None, collector=None, rewards=None,
                  advantage=None, loss=None):
+        cfg = cfg if isinstance(cfg, Config) else load_config(cfg)  # a dict or a YAML path
         cfg = compose.apply(cfg, collector=collector, rewards=rewards, advantage=advantage, loss=loss)
         self.cfg, self.progress = cfg, progress and cfg.log.progress
         self.resume = resume or cfg.run.resume == "auto"
@@ -376,8 +377,9 @@ class Pipeline(RunState):
                             f"with --resume once there is space") from exc
 
 
-def train(cfg: Config, overwrite: bool = False, progress: bool = True, resume: bool = False,
-          **stages) -> Path:
-    """Train with ``cfg``; returns the run directory (``config.yaml``, ``metrics.jsonl``, ``final/``).
+def train(cfg: Config | dict | str | Path, overwrite: bool = False, progress: bool = True,
+          resume: bool = False, **stages) -> Path:
+    """Train with ``cfg`` (a `Config`, a dict or a YAML path, `load_config`); returns the run
+    directory (``config.yaml``, ``metrics.jsonl``, ``final/``).
     ``stages``: ``dataset`` and stage objects, as for `Pipeline`."""
     return Pipeline(cfg, overwrite=overwrite, progress=progress, resume=resume, **stages).train()
