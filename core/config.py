@@ -151,6 +151,7 @@ class RolloutCorrectionConfig:
     old_log_prob: Literal["auto", "recompute", "sampling"] = "auto"
     level: Literal["token", "sequence"] = "token"   # weight per token, or per sequence (product)
     threshold: float = num(2.0, ">= 1")   # C: tis truncates at C, mis keeps [1/C, C]
+    max_masked_frac: float = num(0.5, "in [0, 1]")  # a step where mis masks more tokens stops the run
 
 
 @dataclass
