@@ -47,11 +47,15 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
         raise UserError(f"{run_dir} is not an rlpipe run directory (no config.yaml)")
     if step is None:
         path, skipped = checkpoint.choose(run_dir)
-        if path is None:
+        if path is None and not skipped:
             hint = "; final/ already holds the trained policy" if (run_dir / "final").is_dir() else ""
-            damaged = f" ({len(skipped)} damaged)" if skipped else ""
-            raise UserError(f"{run_dir} has no intact checkpoint{damaged}: set checkpoint.every "
-                            f"to write them{hint}")
+            raise UserError(f"{run_dir} has no intact checkpoint: set checkpoint.every to write "
+                            f"them{hint}")
+        if skipped:  # never an older policy than asked for without saying so
+            newest, why = skipped[0]
+            older = f"pass --step {path.name.split('-')[1].lstrip('0') or 0} to export the newest " \
+                    f"intact one, {path.name}" if path is not None else "no older one is intact"
+            raise UserError(f"the newest checkpoint {newest} is damaged ({why}); {older}")
         return path
     found = {int(p.name.split("-")[1]): p for p in checkpoint.complete(run_dir)}
     if step not in found:
@@ -63,8 +67,12 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     return found[step]
 
 
-def _check_out(out: Path) -> Path:
+def _check_out(out: Path, run_dir: Path) -> Path:
     out = Path(out).expanduser().resolve()
+    if out == run_dir or run_dir in out.parents or out in run_dir.parents:
+        raise UserError(f"OUT {out} {'is inside' if run_dir in out.parents else 'is or holds'} "
+                        f"the run directory {run_dir}, which holds only rlpipe's own files (its "
+                        f"--resume would refuse it); choose a folder outside it")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty directory; choose another OUT")
     return out
@@ -123,7 +131,7 @@ def _export(run_dir: Path, out, step: int | None, merge: bool) -> Path:
     if not (lora or merge):
         raise UserError(f"--adapter: {run_dir}'s actor has no LoRA adapter (models.actor.lora is "
                         f"null); export without --adapter writes the full model")
-    out = _check_out(out)
+    out = _check_out(out, run_dir)
     tmp = out.with_name(f".{out.name}.tmp-export-{os.getpid()}")  # beside OUT, then renamed
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
