@@ -40,6 +40,14 @@ def _user_errors(command):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except OSError as exc:  # a write the OS refused where rlpipe did not expect one
+            from rlpipe.core.base.errors import WRITE_ERRNOS
+
+            if debug or exc.errno not in WRITE_ERRNOS:
+                raise
+            click.echo(f"error: cannot write {exc.filename or 'a file'}: {exc.strerror}; free "
+                       f"space or fix permissions and run again", err=True)
+            sys.exit(2)
 
     return click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")(wrapper)
 
@@ -112,6 +120,7 @@ def run(config_path, overrides, overwrite, no_progress, resume):
     from rlpipe.core.run.build import check_run_dir, finished_message
     from rlpipe.core.config.settings import load_config
     from rlpipe.core.run.pipeline import Pipeline
+    from rlpipe.core.run import rundir
 
     cfg = load_config(config_path, overrides)
     if os.environ.get("RANK", "0") == "0":  # rank 0 alone looks: the others would race its writes
@@ -133,6 +142,7 @@ def run(config_path, overrides, overwrite, no_progress, resume):
         pipeline = Pipeline(cfg, overwrite=overwrite, progress=not no_progress, resume=resume)
         run_dir = pipeline.train()
     except Exception as exc:
+        rundir.release_all()
         distributed.shutdown(wait=False)
         lost = distributed.lost_peer(exc)
         if lost is None:
@@ -142,6 +152,7 @@ def run(config_path, overrides, overwrite, no_progress, resume):
             click.echo(f"error (rank {os.environ.get('RANK', '?')}): {lost}", err=True)
         sys.exit(distributed.LOST_PEER_EXIT)
     except BaseException:
+        rundir.release_all()
         distributed.shutdown(wait=False)
         raise
     distributed.shutdown()

@@ -88,6 +88,32 @@ def test_export_errors_are_one_line(full_run, tmp_path):
     assert not (tmp_path / "z").exists()
 
 
+def test_a_damaged_newest_checkpoint_is_refused_unless_a_step_is_named(full_run, tmp_path):
+    """The red-team case: a truncated policy/model.safetensors in the newest checkpoint; export
+    used to write the step before without a word."""
+    import shutil
+    run_dir = tmp_path / "run"
+    shutil.copytree(full_run[0], run_dir)
+    weights = policy(run_dir, 2) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    line = one_error_line(run_cli("export", run_dir, tmp_path / "out"))
+    assert "newest checkpoint" in line and "step-000002 is damaged" in line
+    assert "pass --step 1 to export the newest intact one, step-000001" in line
+    assert not (tmp_path / "out").exists()
+    assert run_cli("export", run_dir, tmp_path / "out", "--step", 1).exit_code == 0
+    assert "damaged" in one_error_line(run_cli("export", run_dir, tmp_path / "o2", "--step", 2))
+
+
+def test_export_into_the_run_directory_is_refused(full_run, tmp_path):
+    """``rlpipe export RUN RUN/exported`` was accepted, and --resume then refused the run."""
+    run_dir = full_run[0]
+    before = sorted(p.name for p in run_dir.iterdir())
+    for out in (run_dir / "exported", run_dir, run_dir / "final" / "x", run_dir.parent):
+        line = one_error_line(run_cli("export", run_dir, out))
+        assert "the run directory" in line and "choose a folder outside it" in line, line
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
 def test_export_without_checkpoints_says_so(tmp_path):
     Pipeline(tiny(tmp_path / "run", "run.steps=1", "train.epochs=1", "log.samples_every=0"),
              progress=False).train()

@@ -22,11 +22,11 @@ import torch
 from click.testing import CliRunner
 
 from rlpipe.cli import main
-from rlpipe.core.run import checkpoint
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.observe.metrics import MetricsWriter
 from rlpipe.core.run.pipeline import Pipeline
+from rlpipe.core.run import checkpoint, rundir
 from tests.conftest import final_weights, logged_metrics as rows
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
@@ -134,6 +134,15 @@ def in_final(mp):
     mp.setattr(Pipeline, "_export", export)
 
 
+def in_final_temp_file(mp):
+    """``save_pretrained`` is cut with its temporary file in the folder (``.tmpXXXXXXXX``)."""
+    def export(self, folder):
+        folder.mkdir()
+        (folder / ".tmpk3j2x9q1").write_bytes(b"partial")
+        raise Killed
+    mp.setattr(Pipeline, "_export", export)
+
+
 KILLS = {
     "after-row-2": (["checkpoint.every=1"], after_row(2)),
     "before-first-checkpoint": (["checkpoint.every=2"], after_row(1)),
@@ -141,6 +150,7 @@ KILLS = {
     "pruning-marker-removed": (["checkpoint.every=1", "checkpoint.keep=1"], pruning(False)),
     "pruning-files-deleted": (["checkpoint.every=1", "checkpoint.keep=1"], pruning(True)),
     "in-final": (["checkpoint.every=1"], in_final),
+    "in-final-temp-file": (["checkpoint.every=1"], in_final_temp_file),
 }
 
 
@@ -157,11 +167,39 @@ def test_killed_run_resumes_to_the_uninterrupted_result(point, tmp_path, referen
     train(run_dir, *extra, resume=True)
     assert_same_run(run_dir, reference)
     assert not list((run_dir / "checkpoints").glob(".t*"))  # leftovers are cleaned up
+    assert not list(run_dir.glob(".t*")) and not list((run_dir / "final").glob(".t*"))
+
+
+def test_a_run_killed_in_final_can_be_overwritten(tmp_path, reference):
+    """The red-team case: a kill while final/ is written left rlpipe's own temporary file, and
+    --overwrite refused it as foreign; final/ is now written beside and renamed."""
+    run_dir = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        in_final_temp_file(mp)
+        with pytest.raises(Killed):
+            train(run_dir, "checkpoint.every=1")
+    assert not (run_dir / "final").exists()  # never a half-written final/
+    Pipeline(config(run_dir), progress=False, overwrite=True).train()
+    assert_same_run(run_dir, reference)
+
+
+def test_a_final_folder_cut_by_an_older_rlpipe_is_rlpipes_own(tmp_path, reference):
+    """final/.tmpXXXX left by a kill in a version that wrote final/ in place: resumed (the
+    unfinished final/ is rewritten) and overwritable, not refused as foreign."""
+    run_dir = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        in_final(mp)
+        with pytest.raises(Killed):
+            train(run_dir, "checkpoint.every=1")
+    (run_dir / "final").mkdir()
+    (run_dir / "final" / ".tmpab12cd34").write_bytes(b"partial")
+    assert rundir.state(run_dir, rundir.RUN_LAYOUT) == "run"  # --resume and --overwrite take it
+    train(run_dir, "checkpoint.every=1", resume=True)
+    assert_same_run(run_dir, reference)
 
 
 KILL_SCRIPT = """
 import os, sys
-from rlpipe.core.run import checkpoint
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.run.pipeline import Pipeline

@@ -160,7 +160,9 @@ def test_an_existing_empty_folder_is_used_as_it_is(world):
     empty = world.root / "empty"
     empty.mkdir()
     cfg = load_config(world.config, [f"run.output_dir={empty}"])
-    assert build.prepare_run_dir(cfg) == empty.resolve()
+    assert build.prepare_run_dir(cfg)[0] == empty.resolve()
+    assert sorted(p.name for p in empty.iterdir()) == [rundir.LOCK, rundir.MARKER, "config.yaml"]
+    rundir._HELD.pop(empty.resolve()).release()  # what the run's end does
     assert sorted(p.name for p in empty.iterdir()) == [rundir.MARKER, "config.yaml"]
 
 

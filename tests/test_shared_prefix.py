@@ -10,11 +10,14 @@ that a run with it gives the metrics and weights of a run without it."""
 from __future__ import annotations
 
 import inspect
+import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+import yaml
 
 from rlpipe.core.models import prefix
 from rlpipe.core.config.settings import load_config
@@ -240,24 +243,48 @@ def test_a_run_with_a_shared_prefix_gives_the_same_metrics_and_weights(tmp_path,
     assert_same_run(runs[False], runs[True])
 
 
+def adam_step_bound(t: int, beta1: float = 0.9, beta2: float = 0.999) -> float:
+    """The most AdamW (weight decay 0, torch's defaults) can move one weight at its step t, in
+    units of lr, whatever the gradients: |m_t| <= sqrt(sum a_k^2 / b_k) sqrt(v_t) by
+    Cauchy-Schwarz (a_k, b_k: the moments' weights), times the bias corrections.
+
+    >>> round(adam_step_bound(1), 6), round(adam_step_bound(4), 4)
+    (1.0, 1.0068)
+    """
+    s = sum((1 - beta1) ** 2 * beta1 ** (2 * j) / ((1 - beta2) * beta2 ** j) for j in range(t))
+    return math.sqrt(s) * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+
+
 def assert_same_run(whole: Path, shared: Path) -> None:
-    """A run with shared prompt tokens logged the metrics and saved the weights of one without,
-    within float32 round-off."""
+    """A run with shared prompt tokens logged the metrics and saved the weights of one without.
+    What is exact is compared exactly: the sampled text, and the metrics that count tokens or
+    score text (rule-based rewards). Other metrics are float32 sums, compared within 1e-4.
+    Weights: AdamW normalises each gradient entry, so an entry whose gradient is round-off
+    (about 1e-8 of the largest) may step either way: two runs that start from the same weights
+    differ by at most twice the sum of `adam_step_bound` x lr over the optimizer steps, the
+    only bound that holds on every CPU. Where the gradient is not round-off the steps agree:
+    all but 1% of entries within 1% of one step (a statistical check, not a bound: at most
+    2.4e-4 of an LM head's entries over 4 seeds x the default, AVX2 and AVX-512 kernels)."""
     [off], [on] = logged_metrics(whole), logged_metrics(shared)
     assert off.keys() == on.keys()
     for k, v in off.items():
-        if k.endswith("clipfrac"):  # round-off may move a token of ~800 across the clip edge
-            assert on[k] == pytest.approx(v, abs=3e-3), k
-        elif isinstance(v, float):
-            assert on[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
-        else:
+        if k.startswith(("reward/", "response/")) or not isinstance(v, float):
             assert on[k] == v, k
+        elif k.endswith("clipfrac"):  # round-off may move a token of ~800 across the clip edge
+            assert on[k] == pytest.approx(v, abs=3e-3), k
+        else:
+            assert on[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
+    texts = [[{k: v for k, v in json.loads(line).items() if k != "kl"}  # kl: a float32 sum
+              for p in sorted((run / "samples").glob("step-*.jsonl"))
+              for line in p.read_text().splitlines()] for run in (whole, shared)]
+    assert texts[0] and texts[0] == texts[1]
+    cfg = yaml.safe_load((whole / "config.yaml").read_text())
+    steps = cfg["run"]["steps"] * cfg["train"]["epochs"] * cfg["train"]["minibatches"]
+    lr = float(cfg["train"]["lr"])
+    bound = 2 * lr * sum(adam_step_bound(t) for t in range(1, steps + 1))
     weights = final_weights(whole), final_weights(shared)
     assert weights[0].keys() == weights[1].keys()
     for k in weights[0]:
-        # AdamW moves a weight by about lr (1e-3) x g / (|g| + 1e-8) per step: ~lr whatever the
-        # gradient's size, so a gradient entry near 1e-8 has its step set by round-off. Every
-        # weight within 10% of one step, all but 0.1% within 1%.
         diff = (weights[1][k] - weights[0][k]).abs()
-        assert float(diff.max()) <= 1e-4, k
-        assert float((diff > 1e-5).float().mean()) <= 1e-3, k
+        assert float(diff.max()) <= bound, k
+        assert float((diff > 1e-2 * lr).float().mean()) <= 1e-2, k

@@ -4,6 +4,12 @@ The CLI prints a `UserError` as one line and exits with status 2; anything else 
 keeps its traceback.
 """
 
+import contextlib
+import errno
+
+# The OS refusing a write: a full disk or quota, a read-only file system, no permission.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
 
 class UserError(Exception):
     """A problem the user can fix; the message names it (key, file, plugin)."""
@@ -20,3 +26,25 @@ def describe(exc: BaseException, limit: int = 300) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def writing(path, what: str):
+    """An OS refusal to write inside the block (`WRITE_ERRNOS`) becomes one `UserError` naming
+    ``path`` and ``what`` was being written; other errors pass unchanged.
+
+    >>> try:
+    ...     with writing("/runs/a/metrics.jsonl", "the metrics row of step 3"):
+    ...         raise OSError(errno.ENOSPC, "No space left on device")
+    ... except UserError as exc:
+    ...     print(str(exc)[:80])
+    cannot write /runs/a/metrics.jsonl (the metrics row of step 3): No space left on
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        raise UserError(f"cannot write {path} ({what}): {exc.strerror or describe(exc)}; free "
+                        f"space or fix permissions and run again (a run continues from its "
+                        f"newest checkpoint with --resume)") from exc

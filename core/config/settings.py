@@ -18,6 +18,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -28,8 +29,9 @@ from typing import Any, Literal
 from rlpipe.core.config.checks import check_config
 from rlpipe.core.base.hub import ModelPath
 from rlpipe.core.observe.health.monitor import HealthConfig
-from rlpipe.core.base.yamlconf import (Converter, num, read_config_file, rest, rest_field,
-                                       yaml_key)
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.yamlconf import (Converter, _set_dotted, num, parse_overrides,
+                                       read_config_file, rest, rest_field, yaml_key)
 
 DEVICE_ENV = "RLPIPE_DEVICE"  # set: replaces run.device of every config (e.g. the tests on CUDA)
 
@@ -151,6 +153,7 @@ class RolloutCorrectionConfig:
     old_log_prob: Literal["auto", "recompute", "sampling"] = "auto"
     level: Literal["token", "sequence"] = "token"   # weight per token, or per sequence (product)
     threshold: float = num(2.0, ">= 1")   # C: tis truncates at C, mis keeps [1/C, C]
+    max_masked_frac: float = num(0.5, "in [0, 1]")  # a step where mis masks more tokens stops the run
 
 
 @dataclass
@@ -281,16 +284,35 @@ def _dump(obj):
     return str(obj) if isinstance(obj, Path) else obj
 
 
-def load_config(path, overrides=()) -> Config:
-    """Read a YAML config, apply ``KEY=VALUE`` overrides, and check every key, type, range, file
-    and plugin argument, and the rules between keys (`rlpipe.core.config.checks`), before any
-    model is built."""
-    path = Path(path)
-    raw, cli_keys = read_config_file(path, overrides)
+def load_config(source, overrides=()) -> Config:
+    """Read a YAML config (a path), or take a dict of the same shape or a `Config`, apply
+    ``KEY=VALUE`` overrides, and check every key, type, range, file and plugin argument, and the
+    rules between keys (`rlpipe.core.config.checks`), before any model is built. A dict's
+    relative paths are relative to the working directory.
+
+    >>> cfg = load_config({"models": {"actor": {"path": "examples/tiny/model", "init": "random"}},
+    ...                    "data": {"prompts": "examples/tiny/prompts.txt"}}, ["run.steps=2"])
+    >>> cfg.run.steps, load_config(cfg, ["run.steps=3"]).run.steps, cfg.run.steps
+    (2, 3, 2)
+    """
+    if isinstance(source, Config):
+        source = source.to_dict()  # its paths are absolute already
+    if isinstance(source, dict):
+        raw, base = copy.deepcopy(source), Path.cwd()
+        parsed = parse_overrides(overrides)
+        for dotted, value in parsed.items():
+            _set_dotted(raw, dotted, value)
+        cli_keys = set(parsed)
+    elif isinstance(source, (str, os.PathLike)):
+        raw, cli_keys = read_config_file(Path(source), overrides)
+        base = Path(source).resolve().parent
+    else:
+        raise UserError(f"a config is a Config, a dict or the path of a YAML file, not "
+                        f"{type(source).__name__}")
     device = os.environ.get(DEVICE_ENV)
     if device and "run.device" not in cli_keys and isinstance(raw.get("run", {}), dict):
         raw.setdefault("run", {})["device"] = device  # the file < RLPIPE_DEVICE < KEY=VALUE
-    conv = Converter(path.resolve().parent, cli_keys)
+    conv = Converter(base, cli_keys)
     cfg = conv.section(Config, raw, "")
     check_config(cfg, conv)
     return cfg

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from rlpipe.core.observe.console import Progress
-from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.errors import UserError, writing
 from rlpipe.core.base.files import read_jsonl
 from rlpipe.core.observe.samples import markdown_table
+
 
 def to_float(value) -> float:
     return float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
@@ -57,8 +58,9 @@ def keep_steps(path: Path, last: int) -> None:
         if isinstance(step, int) and 0 <= step <= last:  # step 0: the evaluation before training
             rows[step] = line
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(rows[s] + "\n" for s in sorted(rows)), encoding="utf-8")
-    os.replace(tmp, path)
+    with writing(path, f"the metric rows up to step {last}"):
+        tmp.write_text("".join(rows[s] + "\n" for s in sorted(rows)), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 class _TensorBoard:
@@ -140,14 +142,16 @@ class MetricsWriter:
         except BaseException:
             self.close()
             raise
-        self.file = open(path, "a", encoding="utf-8")
+        with writing(path, "the metrics file"):
+            self.file = open(path, "a", encoding="utf-8")
         self.bar = Progress(total, initial, bar=progress)
 
     def write(self, metrics: dict) -> None:
         clean = {k: (v if isinstance(v, (int, str)) or math.isfinite(v) else None)
                  for k, v in metrics.items()}
-        self.file.write(json.dumps(clean) + "\n")
-        self.file.flush()
+        with writing(self.file.name, f"the metrics row of step {metrics.get('step')}"):
+            self.file.write(json.dumps(clean) + "\n")  # a row cut here is dropped on --resume
+            self.file.flush()
         before, self.step = self.step, int(metrics.get("step", self.step + 1))
         scalars = {k: float(v) for k, v in clean.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -28,6 +28,7 @@ import torch
 
 from rlpipe.core.base import schema as S
 from rlpipe.core.base.ops import masked_mean
+from rlpipe.core.base.errors import writing
 
 SAMPLES_DIR = "samples"
 
@@ -148,12 +149,13 @@ def sample_rows(batch, kl_tok: torch.Tensor, k: int) -> list[dict]:
 def write_samples(run_dir: Path, step: int, rows: list[dict]) -> Path:
     """``run_dir/samples/step-N.jsonl`` (replaced whole, so a resumed step rewrites its file)."""
     folder = Path(run_dir) / SAMPLES_DIR
-    folder.mkdir(exist_ok=True)
     path = folder / f"step-{step}.jsonl"
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps({"step": step, **row}) + "\n" for row in rows),
-                   encoding="utf-8")
-    os.replace(tmp, path)
+    with writing(path, f"the samples of step {step}"):
+        folder.mkdir(exist_ok=True)
+        tmp.write_text("".join(json.dumps({"step": step, **row}) + "\n" for row in rows),
+                       encoding="utf-8")
+        os.replace(tmp, path)
     return path
 
 

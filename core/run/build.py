@@ -23,7 +23,7 @@ from rlpipe.core.config.checks import collector_contract, resolve_plugin
 from rlpipe.core.data.prompts import PromptData, load_prompt_data
 from rlpipe.core.base.context import RunContext
 from rlpipe.core.models.critic_start import critic_from_reward_model
-from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.errors import UserError, writing
 from rlpipe.core.models.lora import allow_merging
 from rlpipe.core.models import distributed
 from rlpipe.core.models.cpu_memory import keep_freed_memory
@@ -83,21 +83,27 @@ def finished_message(cfg: Config, resume: bool = False) -> str | None:
 
 
 def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
-                    is_main: bool = True) -> Path:
-    """Create the run directory with its marker and resolved config (rank 0 only). An earlier run
-    is kept for ``resume`` and cleared with ``overwrite``; anything else is refused."""
+                    is_main: bool = True) -> tuple[Path, rundir.Held | None]:
+    """Create the run directory with its marker and resolved config (rank 0 only), and its lock
+    (`rundir.hold`: held until released or the process ends). An earlier run is kept for
+    ``resume`` and cleared with ``overwrite``; anything else is refused."""
     if not is_main:  # rank 0 checks and writes; another rank would see rank 0's files
-        return Path(cfg.run.output_dir).expanduser().resolve()
-    run_dir, found, changes = _check_run_dir(cfg, overwrite, resume)
+        return Path(cfg.run.output_dir).expanduser().resolve(), None
+    run_dir = _check_run_dir(cfg, overwrite, resume)[0]  # refused before anything is written
+    with writing(run_dir, "the run directory and its lock"):
+        lock = rundir.hold(run_dir, "run.output_dir")
+    run_dir, found, changes = _check_run_dir(cfg, overwrite, resume)  # again, as its owner
     if found == "run" and (resume or cfg.run.resume == "auto"):
         if changes:  # config.yaml is rewritten once the checkpoint is loaded
             shown = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
             print(f"warning: resuming {run_dir} with changed settings, applied from here on: "
                   f"{shown}", file=sys.stderr)
-        return run_dir
-    rundir.prepare(run_dir, rundir.RUN_LAYOUT, found)
-    save_config(cfg, run_dir / "config.yaml")
-    return run_dir
+        rundir.clear_leftovers(run_dir)
+        return run_dir, lock
+    with writing(run_dir, "its marker and config.yaml"):
+        rundir.prepare(run_dir, rundir.RUN_LAYOUT, found)
+        save_config(cfg, run_dir / "config.yaml")
+    return run_dir, lock
 
 
 def apply_lora(model: torch.nn.Module, lora, task_type: str | None, key: str):
@@ -274,6 +280,7 @@ class Run:
     dist: Dist                # this process's place in the job
     device: torch.device
     run_dir: Path
+    lock: rundir.Held | None  # this process owns the run directory (the main process only)
     status: Status            # start-up lines (main process)
     models: Models            # actor, critic, reference, tokenizer
     ctx: RunContext           # what plugins were built with
@@ -291,7 +298,7 @@ def build_run(cfg: Config, overwrite: bool = False, resume: bool = False, datase
     device = resolve_device(device_name)
     flush_denormals(cfg.run.flush_denormals)  # x86 runs arithmetic on denormals 10-50x slower
     keep_freed_memory(cfg.run.keep_freed_memory)  # no page faults for a reused large tensor
-    run_dir = prepare_run_dir(cfg, overwrite, resume, dist.is_main)
+    run_dir, lock = prepare_run_dir(cfg, overwrite, resume, dist.is_main)
     dist.barrier()  # the run directory exists for every rank from here on
     status = Status(dist.is_main)
     with status.phase(f"loading models from {cfg.models.actor.path} on {device}") as took:
@@ -311,4 +318,4 @@ def build_run(cfg: Config, overwrite: bool = False, resume: bool = False, datase
     with status.phase(f"building plugins ({names})") as took:
         plugins = build_plugins(cfg, ctx)
     status.say(f"plugins ready in {took():.1f} s")
-    return Run(dist, device, run_dir, status, models, ctx, plugins, data, eval_data)
+    return Run(dist, device, run_dir, lock, status, models, ctx, plugins, data, eval_data)

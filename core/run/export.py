@@ -14,18 +14,19 @@ checkpoint's weights into it and saves it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
-from rlpipe.core.run import checkpoint
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.run import build
 from rlpipe.core.models.distributed import load_full_state
 from rlpipe.core.models.lm import load_causal_lm, load_tokenizer
 from rlpipe.core.config.settings import load_config
+from rlpipe.core.run import checkpoint, rundir
 
 POLICY = "policy"
 
@@ -50,11 +51,15 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
         raise UserError(f"{run_dir} is not an rlpipe run directory (no config.yaml)")
     if step is None:
         path, skipped = checkpoint.choose(run_dir)
-        if path is None:
+        if path is None and not skipped:
             hint = "; final/ already holds the trained policy" if (run_dir / "final").is_dir() else ""
-            damaged = f" ({len(skipped)} damaged)" if skipped else ""
-            raise UserError(f"{run_dir} has no intact checkpoint{damaged}: set checkpoint.every "
-                            f"to write them{hint}")
+            raise UserError(f"{run_dir} has no intact checkpoint: set checkpoint.every to write "
+                            f"them{hint}")
+        if skipped:  # never an older policy than asked for without saying so
+            newest, why = skipped[0]
+            older = f"pass --step {path.name.split('-')[1].lstrip('0') or 0} to export the newest " \
+                    f"intact one, {path.name}" if path is not None else "no older one is intact"
+            raise UserError(f"the newest checkpoint {newest} is damaged ({why}); {older}")
         return path
     found = {int(p.name.split("-")[1]): p for p in checkpoint.complete(run_dir)}
     if step not in found:
@@ -66,8 +71,12 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     return found[step]
 
 
-def _check_out(out: Path) -> Path:
+def _check_out(out: Path, run_dir: Path) -> Path:
     out = Path(out).expanduser().resolve()
+    if out == run_dir or run_dir in out.parents or out in run_dir.parents:
+        raise UserError(f"OUT {out} {'is inside' if run_dir in out.parents else 'is or holds'} "
+                        f"the run directory {run_dir}, which holds only rlpipe's own files (its "
+                        f"--resume would refuse it); choose a folder outside it")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty directory; choose another OUT")
     return out
@@ -104,21 +113,37 @@ def export(run_dir: Path, out: Path, step: int | None = None, merge: bool = True
     """Write the policy of checkpoint ``step`` (default: the newest) of ``run_dir`` to ``out`` as a
     ``save_pretrained`` folder with its tokenizer: a LoRA actor merged into its base (``merge``)
     or as the adapter alone. Returns ``out``."""
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).expanduser().resolve()
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{run_dir} is not an rlpipe run directory (no config.yaml)")
+    lock = rundir.hold(run_dir, "RUN_DIR", shared=True)  # no run, --resume or --overwrite meanwhile
+    try:
+        return _export(run_dir, out, step, merge)
+    finally:
+        lock.release()
+
+
+def _export(run_dir: Path, out, step: int | None, merge: bool) -> Path:
     path = find_checkpoint(run_dir, step)
     cfg = load_config(run_dir / "config.yaml")
     lora = cfg.models.actor.lora is not None
     if not (lora or merge):
         raise UserError(f"--adapter: {run_dir}'s actor has no LoRA adapter (models.actor.lora is "
                         f"null); export without --adapter writes the full model")
-    out = _check_out(out)
-    saved = path / POLICY
-    if saved.is_dir() and not (lora and merge):  # the checkpoint's own folder is the answer
-        shutil.copytree(saved, out, dirs_exist_ok=True)
-        return out
-    with torch.no_grad():
-        actor, tokenizer = _rebuilt_actor(cfg, path)
-        if lora and merge:
-            actor = actor.merge_and_unload()
-        save_policy(actor, tokenizer, out, cfg.models.actor.path)
+    out = _check_out(out, run_dir)
+    tmp = out.with_name(f".{out.name}.tmp-export-{os.getpid()}")  # beside OUT, then renamed
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        saved = path / POLICY
+        if saved.is_dir() and not (lora and merge):  # the checkpoint's own folder is the answer
+            shutil.copytree(saved, tmp)
+        else:
+            with torch.no_grad():
+                actor, tokenizer = _rebuilt_actor(cfg, path)
+                if lora and merge:
+                    actor = actor.merge_and_unload()
+                save_policy(actor, tokenizer, tmp, cfg.models.actor.path)
+        tmp.rename(out)  # onto a missing or empty OUT
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out

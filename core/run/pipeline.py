@@ -37,7 +37,7 @@ from rlpipe.core.contracts import guards, registry
 from rlpipe.core.step import kl
 from rlpipe.core.base import schema
 from rlpipe.core.step import rollout_correction as correction
-from rlpipe.core.config.settings import Config
+from rlpipe.core.config.settings import Config, load_config
 from rlpipe.core.config.checks import collector_contract
 from rlpipe.core.config.kl_placement import check_placement
 from rlpipe.core.contracts.collector import close_collector, request_actor_log_prob, request_hidden
@@ -71,6 +71,7 @@ class Pipeline(RunState):
     def __init__(self, cfg: Config, overwrite: bool = False, progress: bool = True,
                  resume: bool = False, *, dataset=None, collector=None, rewards=None,
                  advantage=None, loss=None):
+        cfg = cfg if isinstance(cfg, Config) else load_config(cfg)  # a dict or a YAML path
         cfg = compose.apply(cfg, collector=collector, rewards=rewards, advantage=advantage, loss=loss)
         check_advantage(cfg)  # groups and KL placement for the advantage that runs
         self.cfg, self.progress = cfg, progress and cfg.log.progress
@@ -78,7 +79,7 @@ class Pipeline(RunState):
         run = build.build_run(cfg, overwrite, self.resume, dataset)
         self.dist, self.device, self.run_dir, self.status = run.dist, run.device, run.run_dir, run.status
         self.models, self.ctx, self.plugins = run.models, run.ctx, run.plugins
-        self.data, self.eval_data = run.data, run.eval_data
+        self.data, self.eval_data, self.lock = run.data, run.eval_data, run.lock
         check_placement(cfg.kl.in_, cfg.kl.coef, self.plugins.advantage,
                         registry.label_of(self.plugins.advantage))
         self.sampling = collector_contract(cfg)  # how the collector samples, as it declares
@@ -216,6 +217,7 @@ class Pipeline(RunState):
         batch = batch.to(self.device)
         self.data.attach(batch, rows)  # ("data", COLUMN) of each sample's prompt row
         self._check(batch, self.collected_keys, "collector")
+        correction.check_engine_log_prob(batch, self.cfg.rollout_correction.mode, collector)
         t_rollout = time.perf_counter() - t0
         # 2. log-probs of the sampling policy and the reference, values of the critic
         with self.models.compute():
@@ -294,12 +296,15 @@ class Pipeline(RunState):
         close_collector(self.plugins.collector)  # e.g. stop a vLLM engine
         if self.evaluator is not None:
             close_collector(self.evaluator.collector)
+        if self.lock is not None:
+            self.lock.release()
         return self.run_dir
 
 
-def train(cfg: Config, overwrite: bool = False, progress: bool = True, resume: bool = False,
-          callbacks: list | None = None, **stages) -> Path:
-    """Train with ``cfg``; returns the run directory (``config.yaml``, ``metrics.jsonl``, ``final/``).
+def train(cfg: Config | dict | str | Path, overwrite: bool = False, progress: bool = True,
+          resume: bool = False, callbacks: list | None = None, **stages) -> Path:
+    """Train with ``cfg`` (a `Config`, a dict or a YAML path, `load_config`); returns the run
+    directory (``config.yaml``, ``metrics.jsonl``, ``final/``).
     ``stages``: ``dataset`` and stage objects, as for `Pipeline`; ``callbacks``: your own
     `rlpipe.core.run.callbacks.Callback` objects (`Pipeline.train`)."""
     return Pipeline(cfg, overwrite=overwrite, progress=progress, resume=resume,

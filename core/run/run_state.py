@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -154,10 +155,15 @@ class RunState:
         """``final/``: a ``save_pretrained`` folder of the policy (LoRA merged into a copy, or the
         adapter alone with ``export.merge_lora: false``) and its tokenizer; the run's marker then
         records the step (`rundir.finished_step`)."""
-        final = self.run_dir / "final"
+        final, tmp = self.run_dir / "final", self.run_dir / ".tmp-final"
         try:
-            self._export(final)
+            if self.dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._export(tmp)  # written beside, then renamed: final/ is whole or absent
+            if self.dist.is_main:
+                rundir.publish(tmp, final)
         except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
             if not checkpoint.io_failure(exc):
                 raise
             reason = " ".join(str(exc).split())

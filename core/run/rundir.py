@@ -36,6 +36,7 @@ from pathlib import Path
 from rlpipe.core.base.errors import UserError
 
 MARKER = ".rlpipe-run"
+LOCK = ".rlpipe-lock"   # `hold`: one rlpipe process at a time writes a run directory
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,14 @@ HF_FOLDER = ("config.json", "generation_config.json", "model*.safetensors",
              "chat_template.*", "adapter_*", "README.md")
 RUN_LAYOUT = Layout(
     "run", "run directory",
-    (MARKER, "config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "final",
-     "report", "tensorboard", "wandb", "samples"),
-    ("checkpoints", "final", "report", "tensorboard", "wandb", "samples"),
-    (MARKER, "config.yaml", "metrics.jsonl", "tensorboard", "wandb", "samples"),
-    # tensorboard/ and wandb/ are those libraries' own: not looked into
-    (("final", HF_FOLDER),
+    (MARKER, LOCK, "config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "final",
+     ".tmp-final", ".trash-final", "report", "tensorboard", "wandb", "samples"),
+    ("checkpoints", "final", ".tmp-final", ".trash-final", "report", "tensorboard", "wandb",
+     "samples"),
+    (MARKER, LOCK, "config.yaml", "metrics.jsonl", "tensorboard", "wandb", "samples"),
+    # tensorboard/ and wandb/ are those libraries' own, .tmp-final/ a cut `publish`: not looked
+    # into; final/.tmp*: a save_pretrained cut by a kill before rlpipe published final/ whole
+    (("final", (*HF_FOLDER, ".tmp*")),
      ("samples", ("step-*.jsonl", "eval-step-*.jsonl", "*.jsonl.tmp")),
      ("report", ("*.png", "samples.md")),
      ("checkpoints", tuple(f"{kind}step-{STEP_DIGITS}{more}/" for kind in ("", ".tmp-", ".trash-")
@@ -189,7 +192,7 @@ def state(path: Path, layout: Layout) -> str:
     output with results), or ``foreign: REASON`` (not rlpipe's: never written to or deleted)."""
     if not path.exists():
         return "missing"
-    names = {p.name for p in path.iterdir()}
+    names = {p.name for p in path.iterdir()} - {LOCK}
     if not names:
         return "empty"
     marker = read_marker(path)
@@ -232,6 +235,8 @@ def clear(out: Path, layout: Layout) -> None:
     if bad or read_marker(out) is None:  # checked just before; a second look costs nothing
         raise UserError(f"{out} changed while rlpipe was checking it; nothing was deleted")
     for entry in sorted(out.iterdir(), key=lambda p: p.name == MARKER):
+        if entry.name == LOCK:  # held by this process: the lock stays with the folder
+            continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
@@ -246,6 +251,128 @@ def prepare(out: Path, layout: Layout, found: str) -> None:
         (out / "metrics.jsonl").unlink()
     out.mkdir(parents=True, exist_ok=True)
     write_marker(out, layout.kind)
+
+
+class Held:
+    """An OS lock (``flock``) on ``DIR/.rlpipe-lock``, released by `release` (an exclusive
+    holder deletes the file first) or when the process ends however it ends; the file records
+    the exclusive holder's pid."""
+
+    def __init__(self, file, path: Path | None):
+        self.file, self.path = file, path
+
+    def release(self) -> None:
+        if not self.file.closed:
+            if self.path is not None:
+                self.path.unlink(missing_ok=True)
+            self.file.close()  # closing the descriptor drops the lock
+
+
+def hold(out: Path, key: str, shared: bool = False) -> Held:
+    """Lock run directory ``out`` (created if missing) for this process: exclusively to write
+    it (run, --resume, --overwrite), ``shared`` to read it (export). A directory another rlpipe
+    process holds is one `UserError` naming that process.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()) / "run"
+    >>> first = hold(d, "run.output_dir")
+    >>> _HELD.clear()  # as if another process held it
+    >>> hold(d, "run.output_dir")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    rlpipe.core.base.errors.UserError: run.output_dir: .../run is in use by another rlpipe process (pid ...
+    >>> first.release(); hold(d, "run.output_dir").release(); sorted(d.iterdir())
+    []
+    """
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    if out in _HELD:  # this process already holds it (a run that raised, then its --resume)
+        _HELD.pop(out).release()
+    path = out / LOCK
+    while True:
+        file = open(path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(file, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip()
+            file.close()
+            pid = holder.split()[0] if holder else ""
+            who = f"pid {holder}" if pid.isdigit() and _alive(int(pid)) else "an rlpipe export"
+            raise UserError(f"{key}: {out} is in use by another rlpipe process ({who}); wait "
+                            f"for it to end or choose another {key}") from None
+        if _same_file(path, file):
+            break
+        file.close()  # its holder deleted the file while this process waited: lock the new one
+    if not shared:
+        file.truncate(0)
+        file.write(f"{os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+        file.flush()
+    _HELD[out] = Held(file, None if shared else path)
+    return _HELD[out]
+
+
+_HELD: dict[Path, Held] = {}
+
+
+def release_all() -> None:
+    """Release every run directory this process holds (a run that failed: its lock file goes)."""
+    while _HELD:
+        _HELD.popitem()[1].release()
+
+
+def _same_file(path: Path, file) -> bool:
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(file.fileno())
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Put folder ``tmp`` in the place of ``final`` (which may exist): at every moment either the
+    old or the new folder is there whole, or neither (a kill between the renames: the next
+    --resume rewrites it).
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> for name in ("final", ".tmp-final"):
+    ...     (d / name).mkdir(); _ = (d / name / "w").write_text(name)
+    >>> publish(d / ".tmp-final", d / "final"); sorted(p.name for p in d.iterdir())
+    ['final']
+    >>> (d / "final" / "w").read_text()
+    '.tmp-final'
+    """
+    trash = final.with_name(".trash-" + final.name)
+    if final.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+        final.rename(trash)
+    tmp.rename(final)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clear_leftovers(out: Path) -> None:
+    """Remove what a killed run of rlpipe's left half-written at the top of run directory
+    ``out`` (checkpoint folders: `rlpipe.core.run.checkpoint`): ``.tmp-final/``, ``.trash-final/``,
+    ``*.jsonl.tmp``, and a ``final/`` its marker does not record as finished."""
+    for name in (".tmp-final", ".trash-final"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for tmp in [out / "metrics.jsonl.tmp", *(out / "samples").glob("*.jsonl.tmp")]:
+        tmp.unlink(missing_ok=True)
+    final = out / "final"
+    if final.is_dir() and not final.is_symlink() and finished_step(out) is None:
+        shutil.rmtree(final)
 
 
 def finished_step(out: Path) -> int | None:

@@ -25,6 +25,39 @@ from rlpipe.core.base import schema
 from rlpipe.core.base.errors import UserError
 
 
+def _entries(td) -> dict:
+    """Each key of ``td`` (text entries too); for a tensor, its object and in-place version."""
+    tensors = dict(td.items(include_nested=True, leaves_only=True))
+    return {key: (id(tensors[key]), tensors[key]._version) if key in tensors else (None, None)
+            for key in td.keys(include_nested=True)}
+
+
+def _changed(before: dict, after: dict) -> str | None:
+    """What a stage did to the batch between two `_entries`, in words, or None.
+
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> td = TensorDict({"response_mask": torch.ones(2, 3, dtype=torch.bool)}, batch_size=[2])
+    >>> before = _entries(td)
+    >>> td["response_mask"][0] = False
+    >>> _changed(before, _entries(td))
+    "changed 'response_mask' in place"
+    """
+    def name(key):
+        return "/".join(key) if isinstance(key, tuple) else key
+
+    for key in after.keys() - before.keys():
+        return f"wrote {name(key)!r}"
+    for key in before.keys() - after.keys():
+        return f"deleted {name(key)!r}"
+    for key, (ident, version) in after.items():
+        if ident != before[key][0]:
+            return f"replaced {name(key)!r}"
+        if version != before[key][1]:
+            return f"changed {name(key)!r} in place"
+    return None
+
+
 class RewardComposer(nn.Module):
     """Run each ``(label, weight, module)`` on the batch; write score parts and the score.
 
@@ -63,9 +96,14 @@ class RewardComposer(nn.Module):
         """One component's [B] float32 output on ``device``, checked for shape and finiteness.
         Whatever the plugin raises becomes one `PluginError` line naming it (`registry.call`)."""
         batch = td.batch_size[0]
+        before = _entries(td)
         part = registry.call(module, td)
         origin = getattr(module, registry.LABEL_ATTR, None)
         origin = f" (plugin {origin})" if isinstance(origin, str) else ""
+        changed = _changed(before, _entries(td))
+        if changed:
+            raise UserError(f"reward {label!r} {changed} in the batch{origin}; a reward returns its "
+                            f"[B] scores and writes nothing (the composer owns the batch)")
         if not isinstance(part, torch.Tensor) or part.shape != (batch,):
             shape = tuple(part.shape) if isinstance(part, torch.Tensor) else type(part).__name__
             raise UserError(f"reward {label!r} returned {shape}; expected a tensor of shape "

@@ -36,6 +36,7 @@ import torch
 
 from rlpipe.core.step import kl
 from rlpipe.core.base import schema
+from rlpipe.core.contracts import registry
 from rlpipe.core.base.errors import UserError
 
 WEIGHTED = ("tis", "mis")  # the modes whose weights the loss applies
@@ -111,6 +112,36 @@ def diagnostics(old_log_prob: torch.Tensor, engine_log_prob: torch.Tensor, mask:
             "rollout/masked_frac": masked}
 
 
+def check_engine_log_prob(batch, mode: str, collector) -> None:
+    """A mode other than ``none`` needs the engine's log-probs finite on every response token:
+    one line naming the collector (the engine is the culprit, not the actor or the learning
+    rate)."""
+    if mode == "none":
+        return
+    who = registry.label_of(collector)
+    mask = batch[schema.RESPONSE_MASK]
+    bad = int((~torch.isfinite(batch[schema.ENGINE_LOG_PROB]) & mask).sum())
+    if bad:
+        raise UserError(f"the engine's log-probs ({schema.ENGINE_LOG_PROB!r} of the {who}) are NaN "
+                        f"or inf on {bad} of {int(mask.sum())} response tokens, which "
+                        f"rollout_correction.mode: {mode} uses; the engine is at fault (its "
+                        f"sampling dtype or processors), not the actor: fix it or use mode: none")
+
+
+def check_masked(weights: torch.Tensor, mask: torch.Tensor, settings) -> None:
+    """``mis`` that masks more than ``max_masked_frac`` of the valid tokens trains on almost
+    nothing: one line instead of a run that silently learns nothing."""
+    total = int(mask.sum())
+    masked = int(((weights == 0) & mask).sum())
+    if total and masked / total > settings.max_masked_frac:
+        raise UserError(f"rollout_correction.mode: {settings.mode} masked {masked} of {total} "
+                        f"response tokens ({masked / total:.0%} > max_masked_frac "
+                        f"{settings.max_masked_frac}): the engine's log-probs and the actor's "
+                        f"differ by more than threshold {settings.threshold} (level "
+                        f"{settings.level}) on most tokens; compare them with `rlpipe check "
+                        f"CONFIG`, fix the engine, or raise the threshold")
+
+
 def apply(batch, settings) -> dict[str, float]:
     """Stage 4 of the loop, on the gathered batch: with ``tis``/``mis`` write
     ``rollout_is_weight``; return the ``rollout/*`` metrics (none with ``bypass``, where π_old is
@@ -123,5 +154,6 @@ def apply(batch, settings) -> dict[str, float]:
     if settings.mode in WEIGHTED:
         log_w = log_weights(old, engine, mask, settings.level)
         weights = correction_weights(log_w, mask, settings.mode, settings.threshold)
+        check_masked(weights, mask, settings)
         batch[schema.ROLLOUT_IS_WEIGHT] = weights
     return diagnostics(old, engine, mask, settings.level, weights)

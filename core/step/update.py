@@ -292,10 +292,13 @@ def grad_norm(params: list, max_norm: float | None) -> torch.Tensor:
     is below 1; no pass over them where it is not, a multiply by 1). ``None``: the norm alone,
     for the finiteness check and the metric.
 
-    On CPU the norm is a float64 sum of float32 dot products over `NORM_CHUNK` elements: twice
-    as fast as ``torch.linalg.vector_norm`` there, and within 3e-7 of the float64 norm where
-    that one is off by 1e-3 on a 28M-element embedding gradient (BENCHMARKS.md). Sharded
-    (FSDP2) and accelerator gradients take torch's own functions.
+    On CPU the squares are summed in float64, `NORM_CHUNK` elements at a time: a float32 or
+    bfloat16 entry's square is exact in float64, so for n entries the float64 norm is within
+    (n/2 + 1) 2^-53 of the exact one in any summation order, and the float32 result within
+    2^-24 + (n/2 + 1) 2^-53 (one rounding, 6e-8), on every CPU and kernel path. A float32 dot
+    product's bound is n 2^-24 of the sum for its n terms (1/16 for 1 Mi; MKL's kernels for AVX2,
+    AVX-512 and AMD parts reach 1e-6 on 1 Mi random entries, ``vector_norm`` 1.6e-3 on 28 M).
+    Sharded (FSDP2) and accelerator gradients take torch's own functions.
 
     >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
     >>> grad_norm([w], None).item(), w.grad.tolist()
@@ -308,9 +311,7 @@ def grad_norm(params: list, max_norm: float | None) -> torch.Tensor:
         if max_norm is not None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         return torch.nn.utils.get_total_norm(grads)
-    squares = [torch.dot(c, c) for g in grads
-               for c in (g.float() if g.dtype != torch.float64 else g).reshape(-1).split(NORM_CHUNK)]
-    norm = torch.stack(squares).double().sum().sqrt()  # float32 values, summed in float64
+    norm = _float64_sum_of_squares(grads).sqrt()
     norm = norm.to(torch.float64 if grads[0].dtype == torch.float64 else torch.float32)
     if max_norm is not None:
         coef = max_norm / (norm + 1e-6)  # clip_grad_norm_'s factor, in the norm's dtype
@@ -319,9 +320,21 @@ def grad_norm(params: list, max_norm: float | None) -> torch.Tensor:
     return norm
 
 
-# Elements per dot product in `grad_norm`: float32 accumulation over 1 Mi elements stays within
-# ~1e-7 of the exact sum of squares; the float64 sum of the chunks adds nothing measurable.
-NORM_CHUNK = 1 << 20
+def _float64_sum_of_squares(grads: list) -> torch.Tensor:
+    """Sum of every squared entry of ``grads``, accumulated in float64: each chunk is copied into
+    one cache-sized float64 buffer and dotted with itself (float32 and bfloat16 squares are exact
+    there; the copy costs ~2x a float32 dot product, BENCHMARKS.md)."""
+    buf = torch.empty(NORM_CHUNK, dtype=torch.float64)
+    chunks = [c for g in grads for c in g.reshape(-1).split(NORM_CHUNK)]
+    out = torch.empty(len(chunks), dtype=torch.float64)
+    for i, c in enumerate(chunks):
+        x = c if c.dtype == torch.float64 else buf[:c.numel()].copy_(c)
+        torch.dot(x, x, out=out[i])
+    return out.sum()
+
+
+# Elements per float64 dot product in `grad_norm`: 64 Ki (a 512 KiB buffer, in L2 cache).
+NORM_CHUNK = 1 << 16
 
 
 def _checked_contract(cfg, models, loss) -> LossContract:
