@@ -266,8 +266,8 @@ def _ranges(cls=Config, prefix=""):
 
 def _readme_ranges():
     """``{dotted key: "rule"}`` from the README's config reference table (column ``range``)."""
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("| key | default | range | meaning |"):]
+    page = (ROOT / "docs" / "config.md").read_text()
+    table = page[page.index("| key | default | range | meaning |"):]
     out = {}
     for row in table.split("\n")[2:]:
         if not row.startswith("|"):
