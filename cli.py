@@ -160,18 +160,36 @@ def run(config_path, overrides, overwrite, no_progress, resume):
 
 
 @main.command("config")
-@_config_arg
+@click.argument("config_path", metavar="[CONFIG]", required=False)
 @_overrides_arg
+@click.option("--defaults", is_flag=True,
+              help="Print every setting with its default, range and help, as a YAML file.")
+@click.option("--explain", "explain_key", metavar="KEY",
+              help="Print one setting's type, default, range and help (with CONFIG: for the "
+                   "plugins it names; a plugin name lists its arguments).")
 @_user_errors
-def config_cmd(config_path, overrides):
-    """Check CONFIG and print it resolved: defaults filled in, overrides applied, paths absolute."""
+def config_cmd(config_path, overrides, defaults, explain_key):
+    """Check CONFIG and print it resolved: defaults filled in (plugin arguments included),
+    overrides applied, paths absolute."""
     import yaml
 
-    from rlpipe.core import compose
+    from rlpipe.core import compose, explain
     from rlpipe.core.config import load_config
+    from rlpipe.core.errors import UserError
 
+    if defaults:
+        click.echo(explain.defaults_yaml(), nl=False)
+        return
+    if config_path is None:
+        if explain_key is None:
+            raise UserError("rlpipe config: give CONFIG, --defaults or --explain KEY")
+        click.echo(explain.explain(explain_key))
+        return
     cfg = compose.apply(load_config(config_path, overrides))  # what `rlpipe run` would refuse too
-    click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
+    if explain_key is not None:
+        click.echo(explain.explain(explain_key, cfg))
+        return
+    click.echo(yaml.safe_dump(explain.with_plugin_defaults(cfg), sort_keys=False), nl=False)
 
 
 @main.command()

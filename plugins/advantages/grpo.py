@@ -58,6 +58,10 @@ class GRPO(TensorDictModuleBase):
     (see `grpo_advantage`) and ``value_target``, a copy of the advantage: there is no critic,
     so nothing reads it.
 
+    Args:
+        scale_std: divide by the group's std (false: Dr. GRPO, mean-centred only)
+        eps: added to the std before dividing
+
     >>> GRPO().in_keys, GRPO.needs_critic
     (['reward', 'response_mask', 'group_id'], False)
     """

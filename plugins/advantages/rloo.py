@@ -54,6 +54,9 @@ class RLOO(TensorDictModuleBase):
     (see `rloo_advantage`; whitened over all valid tokens of the batch when ``whiten``) and
     ``value_target``, a copy of the advantage: there is no critic, so nothing reads it.
 
+    Args:
+        whiten: normalise advantages over the batch's valid tokens
+
     >>> RLOO(whiten=True).in_keys, RLOO.needs_critic
     (['reward', 'response_mask', 'group_id'], False)
     """
