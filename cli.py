@@ -21,8 +21,9 @@ def _user_errors(command):
 
     @functools.wraps(command)
     def wrapper(*args, debug: bool = False, **kwargs):
-        from rlpipe.core.errors import UserError
+        from rlpipe.core.errors import ON_COMMAND_LINE, UserError
 
+        token = ON_COMMAND_LINE.set(True)  # errors name flags (--resume), not resume=True
         try:
             return command(*args, **kwargs)
         except UserError as exc:
@@ -40,6 +41,8 @@ def _user_errors(command):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        finally:
+            ON_COMMAND_LINE.reset(token)
 
     return click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")(wrapper)
 
@@ -225,17 +228,27 @@ def plugins():
 
 
 @main.command()
-@click.argument("run_dir", metavar="RUN_DIR")
+@click.argument("run_dirs", metavar="RUN_DIR [RUN_DIR]...", nargs=-1, required=True)
 @_user_errors
-def report(run_dir):
-    """Plot RUN_DIR's metrics.jsonl as PNGs in RUN_DIR/report/ and print a short summary."""
+def report(run_dirs):
+    """Plot RUN_DIR's metrics.jsonl as PNGs in RUN_DIR/report/ and print a short summary.
+    Several runs: each one's summary, a table of their final numbers, and the runs overlaid in
+    compare-*.png in the first run's report/."""
     import warnings
+    from pathlib import Path
 
     from rlpipe.core.report import summary, write_report
 
     with warnings.catch_warnings(record=True) as caught:  # each on one line, once
         warnings.simplefilter("always")
-        text, paths = summary(run_dir), write_report(run_dir)
+        if len(run_dirs) == 1:
+            text, paths = summary(run_dirs[0]), write_report(run_dirs[0])
+        else:
+            from rlpipe.core.compare import compare_summary, write_comparison
+
+            runs = [Path(r) for r in run_dirs]
+            text = "\n\n".join([*map(summary, runs), compare_summary(runs)])
+            paths = write_comparison(runs)
     for message in dict.fromkeys(" ".join(str(w.message).split()) for w in caught):
         click.echo(f"warning: {message}", err=True)
     click.echo(text)

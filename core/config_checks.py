@@ -34,6 +34,7 @@ from typing import Any
 from rlpipe.core import references, registry
 from rlpipe.core.critic_start import check_critic_start
 from rlpipe.core.errors import UserError
+from rlpipe.core.metrics import check_trackers
 
 PLUGIN_GROUPS = {"collector": "collectors", "advantage": "advantages", "loss": "losses",
                  "rewards": "rewards"}
@@ -65,6 +66,7 @@ def check_config(cfg, conv) -> None:
     check_batches(cfg)
     check_context(cfg)
     check_rollout_correction(cfg)
+    check_trackers(cfg.log)  # a missing tracker package: now, not after the models load
     from rlpipe.core.health import load_rules  # rule names and parameters, kept for the run
 
     cfg.health.resolved = load_rules(cfg.health, conv)

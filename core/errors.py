@@ -4,6 +4,12 @@ The CLI prints a `UserError` as one line and exits with status 2; anything else 
 keeps its traceback.
 """
 
+import contextvars
+
+# Set by the command line around a command: an error names its flags there (``--overwrite``),
+# the keyword arguments of the Python call everywhere else (``overwrite=True``).
+ON_COMMAND_LINE = contextvars.ContextVar("rlpipe_on_command_line", default=False)
+
 
 class UserError(Exception):
     """A problem the user can fix; the message names it (key, file, plugin)."""
@@ -20,3 +26,15 @@ def describe(exc: BaseException, limit: int = 300) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def option(name: str) -> str:
+    """How the user asks for ``name`` where the error will be read: ``--resume`` on the command
+    line, ``resume=True`` from Python (`train`, `Pipeline`).
+
+    >>> option("overwrite")
+    'overwrite=True'
+    >>> token = ON_COMMAND_LINE.set(True); option("overwrite"); ON_COMMAND_LINE.reset(token)
+    '--overwrite'
+    """
+    return f"--{name}" if ON_COMMAND_LINE.get() else f"{name}=True"

@@ -34,7 +34,7 @@ import torch
 from rlpipe.core import guards, registry, schema as S
 from rlpipe.core.collectors import sampling_view
 from rlpipe.core.config_checks import resolve_plugin
-from rlpipe.core.errors import UserError
+from rlpipe.core.errors import UserError, option
 from rlpipe.core.prompts import PromptData
 from rlpipe.core.rewards import batch_texts
 
@@ -154,5 +154,5 @@ class Evaluator:
                 for s in samples:
                     f.write(json.dumps({"step": step, **s}, default=str) + "\n")
         except OSError as exc:
-            raise UserError(f"cannot write {path} ({exc}); continue with --resume once there "
+            raise UserError(f"cannot write {path} ({exc}); continue with {option('resume')} once there "
                             f"is space") from exc

@@ -37,7 +37,7 @@ from rlpipe.core.data import PromptStream
 from rlpipe.core.cpu_memory import keep_freed_memory
 from rlpipe.core.denormals import flush_denormals
 from rlpipe.core.evaluation import Evaluator, eval_collector
-from rlpipe.core.errors import UserError
+from rlpipe.core.errors import UserError, option
 from rlpipe.core.health import monitor_for
 from rlpipe.core.metrics import MetricsWriter, to_float
 from rlpipe.core.models import (cpu_has_bf16, logprobs_and_values, response_logprobs,
@@ -315,7 +315,7 @@ class Pipeline(RunState):
         writer = (MetricsWriter(metrics_path, cfg.run.steps, self.progress,
                                 initial=self.step_count, tensorboard=log.tensorboard,
                                 wandb=log.wandb, wandb_project=log.wandb_project,
-                                run_name=self.run_dir.name)
+                                run_name=self.run_dir.name, config=cfg.to_dict())
                   if self.dist.is_main else contextlib.nullcontext())
         health = monitor_for(cfg.health, metrics_path if self.resume and self.dist.is_main else None,
                              echo=self.dist.is_main)
@@ -341,7 +341,7 @@ class Pipeline(RunState):
         elif self.dist.is_main:
             print(f"health: run stopped after step {self.step_count}: {self.stopped_by} is in "
                   f"health.stop_on; checkpoint {checkpoint.latest(self.run_dir)} written, no "
-                  f"final/; change the settings and continue with --resume", file=sys.stderr)
+                  f"final/; change the settings and continue with {option('resume')}", file=sys.stderr)
         close_collector(self.plugins.collector)  # e.g. stop a vLLM engine
         if self.evaluator is not None:
             close_collector(self.evaluator.collector)
@@ -370,7 +370,7 @@ class Pipeline(RunState):
                 self._write_samples(batch, writer)
         except OSError as exc:
             raise UserError(f"cannot write {self.run_dir / 'metrics.jsonl'} ({exc}); continue "
-                            f"with --resume once there is space") from exc
+                            f"with {option('resume')} once there is space") from exc
 
 
 def train(cfg: Config, overwrite: bool = False, progress: bool = True, resume: bool = False,
