@@ -21,8 +21,9 @@ def _user_errors(command):
 
     @functools.wraps(command)
     def wrapper(*args, debug: bool = False, **kwargs):
-        from rlpipe.core.base.errors import UserError
+        from rlpipe.core.base.errors import ON_COMMAND_LINE, UserError
 
+        token = ON_COMMAND_LINE.set(True)  # errors name flags (--resume), not resume=True
         try:
             return command(*args, **kwargs)
         except UserError as exc:
@@ -48,6 +49,8 @@ def _user_errors(command):
             click.echo(f"error: cannot write {exc.filename or 'a file'}: {exc.strerror}; free "
                        f"space or fix permissions and run again", err=True)
             sys.exit(2)
+        finally:
+            ON_COMMAND_LINE.reset(token)
 
     return click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")(wrapper)
 
@@ -172,18 +175,37 @@ def run(config_path, overrides, overwrite, no_progress, resume):
 
 
 @main.command("config")
-@_config_arg
+@click.argument("config_path", metavar="[CONFIG]", required=False)
 @_overrides_arg
+@click.option("--defaults", is_flag=True,
+              help="Print every setting with its default, range and help, as a YAML file.")
+@click.option("--explain", "explain_key", metavar="KEY",
+              help="Print one setting's type, default, range and help (with CONFIG: for the "
+                   "plugins it names; a plugin name lists its arguments).")
 @_user_errors
-def config_cmd(config_path, overrides):
-    """Check CONFIG and print it resolved: defaults filled in, overrides applied, paths absolute."""
+def config_cmd(config_path, overrides, defaults, explain_key):
+    """Check CONFIG and print it resolved: defaults filled in (plugin arguments included),
+    overrides applied, paths absolute."""
     import yaml
 
-    from rlpipe.core.config import compose
+    from rlpipe.core.base.errors import UserError
+    from rlpipe.core.config import compose, explain
     from rlpipe.core.config.settings import load_config
 
+
+    if defaults:
+        click.echo(explain.defaults_yaml(), nl=False)
+        return
+    if config_path is None:
+        if explain_key is None:
+            raise UserError("rlpipe config: give CONFIG, --defaults or --explain KEY")
+        click.echo(explain.explain(explain_key))
+        return
     cfg = compose.apply(load_config(config_path, overrides))  # what `rlpipe run` would refuse too
-    click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
+    if explain_key is not None:
+        click.echo(explain.explain(explain_key, cfg))
+        return
+    click.echo(yaml.safe_dump(explain.with_plugin_defaults(cfg), sort_keys=False), nl=False)
 
 
 @main.command()
@@ -220,17 +242,27 @@ def plugins():
 
 
 @main.command()
-@click.argument("run_dir", metavar="RUN_DIR")
+@click.argument("run_dirs", metavar="RUN_DIR [RUN_DIR]...", nargs=-1, required=True)
 @_user_errors
-def report(run_dir):
-    """Plot RUN_DIR's metrics.jsonl as PNGs in RUN_DIR/report/ and print a short summary."""
+def report(run_dirs):
+    """Plot RUN_DIR's metrics.jsonl as PNGs in RUN_DIR/report/ and print a short summary.
+    Several runs: each one's summary, a table of their final numbers, and the runs overlaid in
+    compare-*.png in the first run's report/."""
     import warnings
+    from pathlib import Path
 
     from rlpipe.core.observe.report import summary, write_report
 
     with warnings.catch_warnings(record=True) as caught:  # each on one line, once
         warnings.simplefilter("always")
-        text, paths = summary(run_dir), write_report(run_dir)
+        if len(run_dirs) == 1:
+            text, paths = summary(run_dirs[0]), write_report(run_dirs[0])
+        else:
+            from rlpipe.core.observe.compare import compare_summary, write_comparison
+
+            runs = [Path(r) for r in run_dirs]
+            text = "\n\n".join([*map(summary, runs), compare_summary(runs)])
+            paths = write_comparison(runs)
     for message in dict.fromkeys(" ".join(str(w.message).split()) for w in caught):
         click.echo(f"warning: {message}", err=True)
     click.echo(text)

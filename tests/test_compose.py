@@ -1,5 +1,5 @@
 """Composing in Python (core/config/compose.py): stage objects into the pipeline, the critic decision from
-the advantage object, the record of what ran, ready-made stages by name, and the README snippets."""
+the advantage object, the record of what ran, ready-made stages by name, and the docs' compose snippets."""
 
 import functools
 import importlib
@@ -210,8 +210,8 @@ def test_ready_made_stages_are_importable_by_name():
 
 
 def _readme_snippets() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Compose in Python\n", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "compose.md").read_text()
+    section = page.split("\n## ", 1)[0]  # the page's opening, before "How a step works"
     return re.findall(r"```python\n(.*?)\n```", section, re.S)
 
 
@@ -221,7 +221,7 @@ def test_readme_compose_snippets_run(tmp_path, monkeypatch, capsys):
     shutil.copytree(TINY.parent, tmp_path / "examples" / "tiny")  # run as from the repository root
     monkeypatch.chdir(tmp_path)
     trained = {}
-    exec(compile(snippets[0], "README.md:compose-1", "exec"), trained)
+    exec(compile(snippets[0], "docs/compose.md:1", "exec"), trained)
     assert len(snippets[0].splitlines()) <= 20
     run_dir = trained["run_dir"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -230,7 +230,7 @@ def test_readme_compose_snippets_run(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "#   rewards.1: rlpipe.plugins.rewards.length:LengthPenalty (a Python object)" in printed
     standalone = {}
-    exec(compile(snippets[1], "README.md:compose-2", "exec"), standalone)
+    exec(compile(snippets[1], "docs/compose.md:2", "exec"), standalone)
     out, td = standalone["out"], standalone["td"]
     assert torch.isfinite(out["loss_objective"]) and torch.isfinite(out["loss_critic"])
     # the advantage GAE wrote, against a float64 loop (gamma 1, lambda 0.95, no whitening)

@@ -14,6 +14,7 @@ from rlpipe.cli import main
 from rlpipe.core.base.yamlconf import parse_overrides
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.errors import UserError
+from rlpipe.core.config.explain import with_plugin_defaults
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny"
 
@@ -91,8 +92,8 @@ def test_resolved_config_round_trips(cfg_file, tmp_path):
     assert result.exit_code == 0, result.output
     resolved = tmp_path / "resolved.yaml"
     resolved.write_text(result.stdout)
-    again = load_config(resolved)
-    assert again == load_config(cfg_file, ["run.steps=4"])
+    again = load_config(resolved)  # the same config, plugin defaults now written out
+    assert again.to_dict() == with_plugin_defaults(load_config(cfg_file, ["run.steps=4"]))
 
 
 @pytest.mark.parametrize("change, message", [

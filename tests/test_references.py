@@ -154,5 +154,5 @@ def test_changing_the_plugin_on_the_command_line_drops_foreign_arguments(capsys)
 def test_plugin_swap_through_the_cli():
     result = CliRunner().invoke(main, ["config", str(TINY), "advantage.name=rloo"])
     assert result.exit_code == 0, result.output
-    assert yaml.safe_load(result.stdout)["advantage"] == {"name": "rloo"}
+    assert yaml.safe_load(result.stdout)["advantage"] == {"name": "rloo", "whiten": False}  # + defaults
     assert "dropped advantage.gamma, advantage.lmbda (not arguments of rloo)" in result.stderr

@@ -123,7 +123,7 @@ def test_tensorboard_sink_writes_scalars_per_step(tmp_path, monkeypatch):
 def test_tensorboard_not_installed(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(UserError, match="pip install tensorboard"):
+    with pytest.raises(UserError, match=r"pip install 'rlpipe\[tensorboard\]'"):
         MetricsWriter(tmp_path / "metrics.jsonl", 1, progress=False, tensorboard=True)
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -162,7 +162,7 @@ def test_wandb_sink_is_offline_without_an_api_key(tmp_path, monkeypatch):
 
 def test_wandb_not_installed(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
-    with pytest.raises(UserError, match="pip install wandb"):
+    with pytest.raises(UserError, match=r"pip install 'rlpipe\[wandb\]'"):
         MetricsWriter(tmp_path / "metrics.jsonl", 1, progress=False, wandb=True)
 
 

@@ -4,6 +4,12 @@ The CLI prints a `UserError` as one line and exits with status 2; anything else 
 keeps its traceback.
 """
 
+import contextvars
+
+# Set by the command line around a command: an error names its flags there (``--overwrite``),
+# the keyword arguments of the Python call everywhere else (``overwrite=True``).
+ON_COMMAND_LINE = contextvars.ContextVar("rlpipe_on_command_line", default=False)
+
 import contextlib
 import errno
 
@@ -48,3 +54,15 @@ def writing(path, what: str):
         raise UserError(f"cannot write {path} ({what}): {exc.strerror or describe(exc)}; free "
                         f"space or fix permissions and run again (a run continues from its "
                         f"newest checkpoint with --resume)") from exc
+
+
+def option(name: str) -> str:
+    """How the user asks for ``name`` where the error will be read: ``--resume`` on the command
+    line, ``resume=True`` from Python (`train`, `Pipeline`).
+
+    >>> option("overwrite")
+    'overwrite=True'
+    >>> token = ON_COMMAND_LINE.set(True); option("overwrite"); ON_COMMAND_LINE.reset(token)
+    '--overwrite'
+    """
+    return f"--{name}" if ON_COMMAND_LINE.get() else f"{name}=True"

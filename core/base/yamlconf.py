@@ -75,9 +75,16 @@ def _number(text: str):
     return float(text) if "." in text else int(text)
 
 
-def num(default, rule: str):
-    """A dataclass field with a default and a documented range: ``lr: float = num(1e-5, "> 0")``."""
-    return field(default=default, metadata={"range": Range.parse(rule)})
+def num(default, rule: str, help: str = ""):
+    """A dataclass field with a default, a documented range and its one-line help:
+    ``lr: float = num(1e-5, "> 0", "AdamW learning rate of the actor")``."""
+    return field(default=default, metadata={"range": Range.parse(rule), "help": help})
+
+
+def opt(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING, **metadata):
+    """A dataclass field with its one-line help (the config reference, ``rlpipe config
+    --explain``): ``seed: int = opt(0, "seeds torch, Python and the data order")``."""
+    return field(default=default, default_factory=factory, metadata={"help": help, **metadata})
 
 
 def rest():

@@ -42,6 +42,7 @@ from rlpipe.core.base.errors import UserError
 from rlpipe.core.data.prompts import data_source
 from rlpipe.core.observe.health import load_rules
 from rlpipe.core.config.kl_placement import check_placement, resolve_placement
+from rlpipe.core.observe.metrics import check_trackers
 
 PLUGIN_GROUPS = {"collector": "collectors", "advantage": "advantages", "loss": "losses",
                  "rewards": "rewards"}
@@ -72,6 +73,7 @@ def check_config(cfg, conv) -> None:
     check_context(cfg)
     check_rollout_correction(cfg)
     check_advantage(cfg)
+    check_trackers(cfg.log)  # a missing tracker package: now, not after the models load
     cfg.health.resolved = load_rules(cfg.health, conv)
 
 

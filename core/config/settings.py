@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +30,7 @@ from rlpipe.core.config.checks import check_config
 from rlpipe.core.base.hub import ModelPath
 from rlpipe.core.observe.health.monitor import HealthConfig
 from rlpipe.core.base.errors import UserError
-from rlpipe.core.base.yamlconf import (Converter, _set_dotted, num, parse_overrides,
+from rlpipe.core.base.yamlconf import (Converter, _set_dotted, num, opt, parse_overrides,
                                        read_config_file, rest, rest_field, yaml_key)
 
 DEVICE_ENV = "RLPIPE_DEVICE"  # set: replaces run.device of every config (e.g. the tests on CUDA)
@@ -38,105 +38,131 @@ DEVICE_ENV = "RLPIPE_DEVICE"  # set: replaces run.device of every config (e.g. t
 
 @dataclass
 class RunConfig:
-    steps: int = num(10, ">= 1")     # PPO steps (one rollout batch + update each)
-    seed: int = num(0, ">= 0")
-    output_dir: str = "runs/rlpipe"  # the run directory, relative to the working directory
-    device: str = "auto"             # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
-    debug: bool = False              # validate the batch at every stage boundary
-    resume: Literal["never", "auto"] = "never"   # auto: continue from the newest checkpoint
-    preflight: bool = False          # before step 1: one batch, engine vs trainer log-probs (rlpipe check)
-    preflight_max_kl: float = num(0.01, "> 0")   # fail above this per-token KL(engine || trainer)
-    preflight_max_gap: float = num(0.1, "> 0")   # ... or above this mean |engine - trainer log-prob|
-    flush_denormals: bool = True     # CPU: floats below 1.2e-38 read as 0 on every torch thread (core/models/denormals.py)
-    keep_freed_memory: bool = True   # glibc: freed CPU blocks reused, not returned to the kernel (core/models/cpu_memory.py)
+    steps: int = num(10, ">= 1", "PPO steps (rollout + update each)")
+    seed: int = num(0, ">= 0", "seeds torch, Python and the data order; same seed on CPU: identical metrics.jsonl")
+    output_dir: str = opt("runs/rlpipe", "run directory (relative to the working directory)")
+    device: str = opt("auto", "auto (CUDA if available), cpu, cuda, cuda:1 ...")
+    debug: bool = opt(False, "validate the batch against the schema at every stage boundary")
+    resume: Literal["never", "auto"] = opt(
+        "never", "auto: continue from the newest complete checkpoint (same as --resume)")
+    preflight: bool = opt(False, "before step 1, run the mismatch preflight (as rlpipe check); a "
+                                 "failure stops the run on one line, exit status 2")
+    preflight_max_kl: float = num(0.01, "> 0", "the preflight fails above this per-token "
+                                               "mismatch KL(engine || trainer)")
+    preflight_max_gap: float = num(0.1, "> 0", "the preflight fails above this mean "
+                                               "|engine - trainer log-prob|")
+    flush_denormals: bool = opt(True, "CPU: floats below 1.2e-38 read as 0 on every torch thread "
+                                      "(x86 is 10-50x slower on them); same results (performance.md)")
+    keep_freed_memory: bool = opt(True, "glibc: freed CPU blocks are kept and reused instead of "
+                                        "returned to the kernel and zeroed again (performance.md)")
 
 
 @dataclass
 class LoraConfig:
-    r: int = num(8, ">= 1")
-    alpha: int = num(16, "> 0")
-    dropout: float = num(0.0, "in [0, 1)")
-    target_modules: list[str] | str = "all-linear"
-    merged_passes: bool = True      # HF rollout on W + s*B*A: one matmul per layer (core/models/lora.py)
+    r: int = num(8, ">= 1", "LoRA rank")
+    alpha: int = num(16, "> 0", "LoRA scale numerator (scale = alpha / r)")
+    dropout: float = num(0.0, "in [0, 1)", "dropout on the LoRA path")
+    target_modules: list[str] | str = opt("all-linear", "peft's target_modules: all-linear, or a "
+                                                        "list of module names")
+    merged_passes: bool = opt(True, "the hf collector's generate runs each adapted layer as one "
+                                    "matmul on W + s*B*A, a copy kept between steps (performance.md)")
 
 
 @dataclass
 class ModelConfig:
-    path: ModelPath                                 # a Hugging Face model folder or Hub ID (core/base/hub.py)
-    init: Literal["pretrained", "random"] = "pretrained"  # random: fresh weights from config.json
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    lora: LoraConfig | None = None                  # set: train LoRA adapters (peft); the
-                                                    # reference is the actor with adapters disabled
-    gradient_checkpointing: bool = False            # recompute block activations in backward
-    trust_remote_code: bool = False                 # allow the folder's own code (auto_map)
+    path: ModelPath = opt(help="Hugging Face causal-LM folder (config.json, tokenizer), "
+                               "pkg:NAME (a model in an installed package) or a Hub ID (org/name)")
+    init: Literal["pretrained", "random"] = opt(
+        "pretrained", "random: fresh weights from config.json (tests, benchmarks)")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "weights' dtype")
+    lora: LoraConfig | None = opt(None, "set: train peft LoRA adapters; the reference is then the "
+                                        "actor with its adapters disabled (no second copy)")
+    gradient_checkpointing: bool = opt(False, "recompute each block's activations in backward "
+                                              "(less memory, about one more forward); update only")
+    trust_remote_code: bool = opt(False, "allow the model folder's own Python code (auto_map); "
+                                         "false refuses such a folder on one line")
 
 
 @dataclass
 class CriticConfig:
-    path: ModelPath | None = None  # None: a copy of the actor's backbone; else a folder or Hub ID
-    init: Literal["pretrained", "random"] = "pretrained"
-    lora: LoraConfig | None = None
-    shared_backbone: bool = False  # a value head on the actor's own backbone (combined loss)
-    from_reward_model: bool = False  # path is a reward model: its backbone and score head (TRL)
-    gradient_checkpointing: bool = False
-    trust_remote_code: bool = False  # allow the folder's own code (auto_map)
+    path: ModelPath | None = opt(None, "null: a copy of the actor's backbone; else a model "
+                                       "folder, pkg:NAME or Hub ID")
+    init: Literal["pretrained", "random"] = opt("pretrained", "as for the actor, when path is set")
+    lora: LoraConfig | None = opt(None, "LoRA on the critic's backbone (the value head stays "
+                                        "fully trained)")
+    shared_backbone: bool = opt(False, "a value head on the actor's own backbone, trained by the "
+                                       "combined loss: no second backbone, no second forward")
+    from_reward_model: bool = opt(False, "path is a reward model (a causal LM's one-output "
+                                         "classifier): its backbone and score head (TRL's choice)")
+    gradient_checkpointing: bool = opt(False, "as for the actor")
+    trust_remote_code: bool = opt(False, "as for the actor")
 
 
 @dataclass
 class ReferenceConfig:
-    offload: bool = False      # the frozen copy waits on CPU and visits the device for its forward
+    offload: bool = opt(False, "the frozen reference waits on CPU and visits the GPU only for its "
+                               "scoring pass (full-weight actors)")
 
 
 @dataclass
 class ModelsConfig:
-    actor: ModelConfig
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
-    # bfloat16: actor, critic and reference compute under torch.autocast (rollout with the HF
-    # collector, scoring, update); weights, gradients and optimizer state stay in their dtype
-    autocast: Literal["none", "bfloat16"] = "none"
-    # prompt tokens every row of a forward begins with (a system prompt, an instruction) run
-    # once, their KV cache repeated to the rows (core/models/prefix.py); same math, fewer tokens
-    shared_prefix: bool = True
-    # rows run without their padding: one packed sequence, attention within each row
-    # (core/models/packing.py); same math, fewer tokens. For models with transformers' sdpa attention
-    packed: bool = True
+    actor: ModelConfig = opt(help="the policy being trained")
+    critic: CriticConfig = opt(help="the value model (built only for an advantage that needs "
+                                    "a critic)", factory=CriticConfig)
+    reference: ReferenceConfig = opt(help="the frozen reference policy of the KL penalty",
+                                     factory=ReferenceConfig)
+    autocast: Literal["none", "bfloat16"] = opt(
+        "none", "bfloat16: every forward computes under torch.autocast in bf16; weights, "
+                "gradients and AdamW state stay float32 (performance.md)")
+    shared_prefix: bool = opt(True, "prompt tokens that rows share run once and their KV cache is "
+                                    "reused; same numbers, fewer tokens (performance.md)")
+    packed: bool = opt(True, "rows run without their padding, packed into one sequence with "
+                             "attention within each row; same numbers (performance.md)")
 
 
 @dataclass
 class DataConfig:
-    prompts: Path | str | None = None  # .txt (a prompt a line), .jsonl/.json/.parquet/.csv, a
-                                       # save_to_disk folder or a cached Hub dataset name; None:
-                                       # Pipeline(cfg, dataset=...) in Python
-    batch_size: int = num(8, ">= 1")  # prompts per PPO step (samples = batch_size * collector n)
-    shuffle: bool = True
-    split: str = "train"              # the split of a folder, DatasetDict or Hub dataset
-    prompt_key: str = "prompt"        # the prompt column: strings, or chat messages
-                                      # ([{role, content}]) applied through the chat template
+    prompts: Path | str | None = opt(
+        None, ".txt (a prompt a line), .jsonl, .json, .parquet, .csv, a save_to_disk folder or a "
+              "cached Hub dataset; required unless Python passes dataset=")
+    batch_size: int = num(8, ">= 1", "prompts per step; samples per step = batch_size x "
+                                     "collector n")
+    shuffle: bool = opt(True, "a fresh seeded permutation each pass over the data")
+    split: str = opt("train", "the split of a folder, DatasetDict or Hub dataset")
+    prompt_key: str = opt("prompt", "the prompt column (strings, or chat messages); every other "
+                                    "column travels with the samples")
 
 
 @dataclass
 class EvalConfig:
-    prompts: Path | str | None = None  # held-out prompts, as data.prompts; None: no evaluation
-    split: str = "train"
-    prompt_key: str = "prompt"
-    every: int = num(0, ">= 0")        # evaluate every N steps (0: at step 0 and the last only)
-    max_prompts: int | None = num(None, ">= 1")  # the first N rows (None: all)
-    temperature: float = num(0.0, ">= 0")  # 0: greedy decoding
-    batch_size: int = num(64, ">= 1")  # prompts per collect() call
+    prompts: Path | str | None = opt(None, "held-out prompts, as data.prompts (null: no "
+                                           "evaluation)")
+    split: str = opt("train", "as data.split")
+    prompt_key: str = opt("prompt", "as data.prompt_key")
+    every: int = num(0, ">= 0", "evaluate at step 0, every N steps and after the last step "
+                                "(0: step 0 and the last step only)")
+    max_prompts: int | None = num(None, ">= 1", "evaluate the first N rows (null: all)")
+    temperature: float = num(0.0, ">= 0", "sampling temperature of evaluation (0: greedy); the "
+                                          "other collector arguments are training's, n: 1")
+    batch_size: int = num(64, ">= 1", "prompts per collect() call of the evaluation")
 
 
 @dataclass
 class KLConfig:
-    coef: float = num(0.05, ">= 0")                 # beta, or the adaptive controller's start
-    # null: k1 in the reward, k2 in the loss (k1's gradient is 0 on-policy); rlpipe.core.step.kl
-    estimator: Literal["k1", "k2", "k3"] | None = None
-    clamp: float | None = num(10.0, "> 0")          # bound log pi - log pi_ref to +-clamp (null: off)
-    # null: where the advantage declares (kl_in): the loss for group-relative estimators (grpo,
-    # rloo), the reward for the others (gae, reinforce_pp); load_config writes the choice here
-    in_: Literal["reward", "loss"] | None = field(default=None, metadata={"yaml": "in"})
-    target: float | None = num(None, "> 0")         # set: adaptive controller (Ziegler et al. 2019)
-    horizon: int = num(10000, ">= 1")
+    coef: float = num(0.05, ">= 0", "beta of the per-token KL penalty (the adaptive "
+                                    "controller's start with target)")
+    estimator: Literal["k1", "k2", "k3"] | None = opt(
+        None, "k1 (log-ratio), k2, k3 (Schulman's estimators); null: k1 in the reward, k2 in the "
+              "loss (k1's gradient is 0 on-policy)")
+    clamp: float | None = num(10.0, "> 0", "bound log pi - log pi_ref to [-clamp, clamp] before "
+                                           "the estimator (null: off; algorithms.md)")
+    in_: Literal["reward", "loss"] | None = opt(
+        None, "reward: -beta*KL per token in the reward; loss: beta*KL as the loss term loss_kl; "
+              "null: where the advantage declares (loss for grpo, rloo; reward for gae, "
+              "reinforce_pp)", yaml="in")
+    target: float | None = num(None, "> 0", "set: adaptive beta towards this KL (Ziegler et al. "
+                                            "2019)")
+    horizon: int = num(10000, ">= 1", "the adaptive controller's horizon")
     auto = None  # not a field: the keys load_config chose (`rlpipe.core.config.kl_placement.resolve_placement`)
 
 
@@ -145,96 +171,119 @@ class RolloutCorrectionConfig:
     """Engine/trainer mismatch correction (rlpipe.core.step.rollout_correction). A section of its own,
     not loss arguments: it changes what the pipeline computes (bypass skips a forward) and any
     loss that declares LossContract.rollout_weights applies it."""
-    mode: Literal["none", "tis", "mis", "bypass"] = "none"
-    # who computes old_log_prob with mode none: "recompute", a no-grad actor forward over the
-    # rollout; "sampling", the sampling pass itself, where the collector offers it (HF: the
-    # engine is the actor); "auto", sampling when it matches the forward within float32 round-off
-    # (collector offers it, actor in float32, no bf16 mixed precision or autocast), else recompute
-    old_log_prob: Literal["auto", "recompute", "sampling"] = "auto"
-    level: Literal["token", "sequence"] = "token"   # weight per token, or per sequence (product)
-    threshold: float = num(2.0, ">= 1")   # C: tis truncates at C, mis keeps [1/C, C]
-    max_masked_frac: float = num(0.5, "in [0, 1]")  # a step where mis masks more tokens stops the run
+    mode: Literal["none", "tis", "mis", "bypass"] = opt(
+        "none", "what to do about the engine/trainer mismatch: none, tis, mis, bypass "
+                "(rollout-correction.md)")
+    old_log_prob: Literal["auto", "recompute", "sampling"] = opt(
+        "auto", "who computes old_log_prob under mode none: recompute (an actor forward), "
+                "sampling (the sampling pass), auto (sampling where it is exact)")
+    level: Literal["token", "sequence"] = opt("token", "token: a weight per token; sequence: the "
+                                                       "product over the sequence")
+    threshold: float = num(2.0, ">= 1", "C: tis truncates weights at C, mis keeps weights in "
+                                        "[1/C, C]")
+    max_masked_frac: float = num(0.5, "in [0, 1]", "a step where mis masks more of the tokens "
+                                                   "stops the run on one line")
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = num(4, ">= 1")      # PPO epochs over each rollout batch
-    minibatches: int = num(2, ">= 1") # optimizer steps per epoch
-    grad_accum: int = num(1, ">= 1")  # micro-batches per minibatch
-    lr: float = num(1e-5, "> 0")
-    critic_lr: float = num(5e-5, "> 0")
-    weight_decay: float = num(0.0, ">= 0")
-    max_grad_norm: float | None = num(1.0, "> 0")  # null: no clipping
-    forward_batch_size: int = num(16, ">= 1")  # micro-batch for no-grad forwards over the rollout
-    schedule: Literal["constant", "cosine"] = "constant"   # over run.steps x epochs x minibatches
-    warmup_steps: int = num(0, ">= 0")  # linear warmup, in optimizer steps
-    target_kl: float | None = num(None, ">= 0")  # stop a step's epochs once policy/approx_kl exceeds it
-    critic_warmup_steps: int = num(0, ">= 0")  # the first PPO steps train the critic only
-    critic_warmup_explained_var: float | None = num(None, "<= 1")  # then critic-only until reached
-    critic_warmup_max_steps: int = num(50, ">= 1")  # cap on all critic-only steps (with the above)
-    max_bad_steps: int = num(3, ">= 1")  # consecutive non-finite steps before the run stops
+    epochs: int = num(4, ">= 1", "PPO epochs over each rollout batch")
+    minibatches: int = num(2, ">= 1", "optimizer steps per epoch")
+    grad_accum: int = num(1, ">= 1", "micro-batches per optimizer step (the loss does not "
+                                     "depend on it)")
+    lr: float = num(1e-5, "> 0", "AdamW learning rate of the actor")
+    critic_lr: float = num(5e-5, "> 0", "AdamW learning rate of the critic")
+    weight_decay: float = num(0.0, ">= 0", "AdamW weight decay")
+    max_grad_norm: float | None = num(1.0, "> 0", "gradient-norm clipping, actor and critic "
+                                                  "separately (null: off)")
+    forward_batch_size: int = num(16, ">= 1", "micro-batch of the no-grad forwards over the "
+                                              "rollout")
+    schedule: Literal["constant", "cosine"] = opt(
+        "constant", "learning-rate schedule; cosine reaches 0 at the last optimizer step")
+    warmup_steps: int = num(0, ">= 0", "linear warm-up, in optimizer steps")
+    target_kl: float | None = num(None, ">= 0", "stop a step's epochs once a minibatch's "
+                                                "approx-KL (policy/approx_kl for ppo) exceeds it")
+    critic_warmup_steps: int = num(0, ">= 0", "the first PPO steps update the critic only")
+    critic_warmup_explained_var: float | None = num(
+        None, "<= 1", "set: critic-only steps go on until a step's value/explained_var reaches it")
+    critic_warmup_max_steps: int = num(50, ">= 1", "with critic_warmup_explained_var: at most "
+                                                   "this many critic-only steps in all")
+    max_bad_steps: int = num(3, ">= 1", "minibatches with a non-finite loss or gradient are "
+                                        "skipped; this many in a row stop the run")
 
 
 @dataclass
 class PtxConfig:
-    coef: float = num(0.0, ">= 0")    # > 0: add coef x LM loss on `data` to each actor update
-    data: Path | None = None          # .txt (one text per line) or .jsonl (a "text" field)
-    batch_size: int = num(4, ">= 1")  # texts per optimizer step
-    max_tokens: int = num(256, ">= 1")  # tokens per text (longer ones are cut)
+    coef: float = num(0.0, ">= 0", "PPO-ptx: add coef x the language-modelling loss on data to "
+                                   "each actor update (logged as policy/ptx_loss)")
+    data: Path | None = opt(None, "ptx text: .txt (one text per line) or .jsonl (a text field); "
+                                  "required when coef > 0")
+    batch_size: int = num(4, ">= 1", "ptx texts per optimizer step")
+    max_tokens: int = num(256, ">= 1", "tokens per ptx text (longer ones are cut)")
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = num(0, ">= 0")       # PPO steps between checkpoints (0: only the final policy)
-    keep: int = num(2, ">= 1")        # newest checkpoints kept
+    every: int = num(0, ">= 0", "checkpoint every N steps and at the last (0: off); rlpipe run "
+                                "CONFIG --resume continues")
+    keep: int = num(2, ">= 1", "newest checkpoints kept")
 
 
 @dataclass
 class ExportConfig:
-    merge_lora: bool = True           # final/: LoRA merged into a copy (true) or the adapter only
+    merge_lora: bool = opt(True, "final/ holds LoRA merged into a copy of the base (true) or the "
+                                 "adapter alone")
 
 
 @dataclass
 class DistributedConfig:
-    nproc: int = num(1, ">= 1")       # processes on this machine; > 1 launches torchrun itself
-    shard_frozen: bool = True         # FSDP-shard the frozen reference too (false: replicate it)
-    bf16: bool = False                # FSDP mixed precision: bf16 compute, fp32 weights and reduction
-    nnodes: int = num(1, ">= 1")      # machines in the job; > 1 joins the rendezvous below
-    rdzv_endpoint: str | None = None  # HOST:PORT of the c10d rendezvous (required when nnodes > 1)
-    rdzv_id: str = "rlpipe"           # job id shared by every node of one job
-    timeout_s: float = num(600.0, "> 0")  # a collective waiting longer than this fails the run
+    nproc: int = num(1, ">= 1", "processes on this machine; > 1 makes rlpipe run launch torchrun "
+                                "with FSDP2")
+    shard_frozen: bool = opt(True, "FSDP-shard the frozen reference too (false: replicate it)")
+    bf16: bool = opt(False, "FSDP mixed precision: bf16 compute, fp32 weights and gradient "
+                            "reduction")
+    nnodes: int = num(1, ">= 1", "machines in the job; > 1 joins the c10d rendezvous at "
+                                 "rdzv_endpoint")
+    rdzv_endpoint: str | None = opt(None, "HOST:PORT of the c10d rendezvous (required when "
+                                          "nnodes > 1)")
+    rdzv_id: str = opt("rlpipe", "job id shared by every node of one job")
+    timeout_s: float = num(600.0, "> 0", "a collective waiting longer than this (seconds) fails "
+                                         "the run")
 
 
 @dataclass
 class LogConfig:
-    progress: bool = True
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "rlpipe"
-    samples_every: int = num(1, ">= 0")  # write samples/step-N.jsonl every N steps (0: never)
-    samples: int = num(4, ">= 1")        # samples per file (evenly spaced over the batch)
+    progress: bool = opt(True, "progress bar (false: one line per step)")
+    tensorboard: bool = opt(False, "TensorBoard sink in RUN_DIR/tensorboard (pip install "
+                                   "'rlpipe[tensorboard]')")
+    wandb: bool = opt(False, "Weights & Biases sink, offline unless configured (pip install "
+                             "'rlpipe[wandb]')")
+    wandb_project: str = opt("rlpipe", "the W&B project")
+    samples_every: int = num(1, ">= 0", "write samples/step-N.jsonl every N steps (0: never)")
+    samples: int = num(4, ">= 1", "samples per file, evenly spaced over the batch")
 
 
 @dataclass
 class RewardSettings:
-    clip: float | None = num(None, "> 0")  # clip the weighted score to [-clip, clip]
-    normalize: bool = False        # running mean/std of the score across steps (checkpointed)
+    clip: float | None = num(None, "> 0", "clip the weighted score to [-clip, clip]")
+    normalize: bool = opt(False, "normalise the score with running mean/std across steps "
+                                 "(checkpointed)")
 
 
 @dataclass
 class PluginConfig:
-    name: str
+    name: str = opt(help="the plugin: an entry-point name or module:attribute")
     args: dict[str, Any] = rest()     # the plugin's constructor arguments
     resolved = None  # not a field: the `registry.Plugin` that `load_config` found (`resolve_plugin`)
 
 
 @dataclass
 class RewardConfig:
-    name: str | None = None           # a plugin, or module:attr; null with `function`
-    weight: float = 1.0
-    label: str | None = None          # metric/score_parts name; defaults to `name` (the attribute
-                                      # of a module:attr name; `function` for a file)
-    function: str | None = None       # with `path`: a function (or class) of the Python file `path`
+    name: str | None = opt(None, "a reward plugin or module:attribute; null with path + function")
+    weight: float = opt(1.0, "weight in the score (a weighted sum of the rewards)")
+    label: str | None = opt(None, "metric and score_parts name (default: the name, or the "
+                                  "function)")
+    function: str | None = opt(None, "with path: a function (or class) of the Python file path")
     args: dict[str, Any] = rest()     # the plugin's constructor arguments
     resolved = None  # not a field: the `registry.Plugin` that `load_config` found (`resolve_plugin`)
 
@@ -245,24 +294,31 @@ class RewardConfig:
 
 @dataclass
 class Config:
-    models: ModelsConfig
-    data: DataConfig
-    rewards: list[RewardConfig] = field(default_factory=list)  # empty: Pipeline(rewards=...) gives them
-    run: RunConfig = field(default_factory=RunConfig)
-    collector: PluginConfig = field(default_factory=lambda: PluginConfig("hf"))
-    advantage: PluginConfig = field(default_factory=lambda: PluginConfig("gae"))
-    loss: PluginConfig = field(default_factory=lambda: PluginConfig("ppo"))
-    reward: RewardSettings = field(default_factory=RewardSettings)
-    kl: KLConfig = field(default_factory=KLConfig)
-    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    ptx: PtxConfig = field(default_factory=PtxConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    health: HealthConfig = field(default_factory=HealthConfig)
+    models: ModelsConfig = opt(help="the actor, critic and reference models")
+    data: DataConfig = opt(help="the training prompts")
+    rewards: list[RewardConfig] = opt(
+        help="list of {name, weight, label, ...plugin arguments}; empty when Python passes "
+             "rewards=", factory=list)
+    run: RunConfig = opt(help="the run: steps, seed, run directory, device", factory=RunConfig)
+    collector: PluginConfig = opt(help="the collector plugin and its arguments",
+                                  factory=lambda: PluginConfig("hf"))
+    advantage: PluginConfig = opt(help="the advantage plugin and its arguments",
+                                  factory=lambda: PluginConfig("gae"))
+    loss: PluginConfig = opt(help="the loss plugin and its arguments",
+                             factory=lambda: PluginConfig("ppo"))
+    reward: RewardSettings = opt(help="settings of the summed score", factory=RewardSettings)
+    kl: KLConfig = opt(help="the KL penalty to the reference", factory=KLConfig)
+    rollout_correction: RolloutCorrectionConfig = opt(
+        help="engine/trainer mismatch correction", factory=RolloutCorrectionConfig)
+    train: TrainConfig = opt(help="the PPO update", factory=TrainConfig)
+    ptx: PtxConfig = opt(help="PPO-ptx: a language-modelling loss on text", factory=PtxConfig)
+    eval: EvalConfig = opt(help="held-out evaluation", factory=EvalConfig)
+    checkpoint: CheckpointConfig = opt(help="checkpoints and resume", factory=CheckpointConfig)
+    export: ExportConfig = opt(help="what final/ holds", factory=ExportConfig)
+    log: LogConfig = opt(help="progress, trackers and sample files", factory=LogConfig)
+    distributed: DistributedConfig = opt(help="FSDP2 across processes and machines",
+                                         factory=DistributedConfig)
+    health: HealthConfig = opt(help="the health rules", factory=HealthConfig)
 
     def to_dict(self) -> dict:
         """Plain nested dict, plugin sections flattened as in the YAML (what ``config.yaml`` holds)."""

@@ -15,10 +15,10 @@ an import error names the file and line. Errors name the plugin as ``module:attr
 >>> plugin = load_reference("advantages", "rlpipe.plugins.advantages.gae:GAE")
 >>> plugin.obj.__name__, plugin.spec.label.startswith("rlpipe.plugins.advantages.gae:GAE (rlpipe ")
 ('GAE', True)
->>> load_reference("advantages", "no_such_module_x:GAE")
+>>> load_reference("advantages", "no_such_module_x:GAE")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-rlpipe.core.contracts.registry.PluginError: no_such_module_x:GAE (not from an installed distribution): failed to import no_such_module_x:GAE: ModuleNotFoundError: No module named 'no_such_module_x'
+rlpipe.core.contracts.registry.PluginError: no_such_module_x:GAE (not from an installed distribution): failed to import no_such_module_x:GAE: ModuleNotFoundError: No module named 'no_such_module_x'; module:attribute imports 'no_such_module_x' from the installed packages and the working directory (...), as python -m does; for a file elsewhere use `path: FILE.py` and `function: NAME`
 """
 
 from __future__ import annotations
@@ -110,6 +110,19 @@ def load_reference(group: str, value: str) -> registry.Plugin:
                         f"(for example my_pkg.rewards:brevity)")
     dist, version = _distribution(value.split(":")[0])
     spec = ReferenceSpec(group, value, value, dist, version)
+    try:
+        return registry.load_spec(spec)
+    except registry.PluginError as exc:
+        top = value.split(".")[0].split(":")[0]
+        if not (isinstance(exc.__cause__, ModuleNotFoundError) and exc.__cause__.name == top):
+            raise
+        cwd = Path.cwd()
+        if str(cwd) in sys.path or not ((cwd / f"{top}.py").is_file() or (cwd / top).is_dir()):
+            raise registry.PluginError(
+                f"{exc}; module:attribute imports {top!r} from the installed packages and the "
+                f"working directory ({cwd}), as python -m does; for a file elsewhere use "
+                f"`path: FILE.py` and `function: NAME`") from exc.__cause__
+    sys.path.insert(0, str(cwd))  # as `python -m` puts it first: the `rlpipe` script does not
     return registry.load_spec(spec)
 
 

@@ -11,14 +11,17 @@ TensorBoard (``run_dir/tensorboard``) and Weights & Biases sinks, each imported 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import netrc
 import os
 import warnings
+import sys
 from pathlib import Path
 
 import torch
+import yaml
 
 from rlpipe.core.observe.console import Progress
 from rlpipe.core.base.errors import UserError, writing
@@ -63,6 +66,36 @@ def keep_steps(path: Path, last: int) -> None:
         os.replace(tmp, path)
 
 
+# log.<key> -> the module it needs and the extra that installs it
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_trackers(log) -> None:
+    """A tracker switched on whose package is missing: one line, at config load (before any model
+    loads, not after the models are built)."""
+    for key, module in TRACKERS.items():
+        if getattr(log, key) and module not in sys.modules and \
+                importlib.util.find_spec(module) is None:
+            raise UserError(f"log.{key}: true needs the {module} package: "
+                            f"pip install 'rlpipe[{key}]'")
+
+
+def flat_config(config: dict, prefix: str = "") -> dict[str, int | float | str | bool]:
+    """The resolved config as ``{dotted key: value}`` hyperparameters (lists, null: as text).
+
+    >>> flat_config({"run": {"steps": 3}, "rewards": [{"name": "length"}], "kl": {"target": None}})
+    {'run.steps': 3, 'rewards': "[{'name': 'length'}]", 'kl.target': 'None'}
+    """
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            ok = isinstance(value, (int, float, str, bool))
+            out[f"{prefix}{key}"] = value if ok else str(value)
+    return out
+
+
 class _TensorBoard:
     """Scalars to ``log_dir`` through ``torch.utils.tensorboard`` (needs the tensorboard package)."""
 
@@ -70,8 +103,15 @@ class _TensorBoard:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise UserError("log.tensorboard needs the tensorboard package: pip install tensorboard") from None
+            raise UserError("log.tensorboard: true needs the tensorboard package: "
+                            "pip install 'rlpipe[tensorboard]'") from None
         self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log_config(self, config: dict) -> None:
+        """The resolved config as hyperparameters (the HPARAMS tab) and as YAML text."""
+        self.writer.add_hparams(flat_config(config), {}, run_name=".")
+        self.writer.add_text("config", "```\n" + yaml.safe_dump(config, sort_keys=False) + "```")
+        self.writer.flush()
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for name, value in scalars.items():
@@ -105,9 +145,14 @@ class _Wandb:
         try:
             import wandb
         except ImportError:
-            raise UserError("log.wandb needs the wandb package: pip install wandb") from None
+            raise UserError("log.wandb: true needs the wandb package: "
+                            "pip install 'rlpipe[wandb]'") from None
         mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_key_configured() else "offline")
         self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode)
+
+    def log_config(self, config: dict) -> None:
+        """The resolved config as the run's W&B config (nested, as in config.yaml)."""
+        self.run.config.update(config, allow_val_change=True)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
@@ -126,12 +171,13 @@ class _Wandb:
 class MetricsWriter:
     """Appends one JSON line per step (flushed, so a crash loses nothing written), shows it
     (`rlpipe.core.observe.console.Progress`: a bar, or with ``progress=False`` or off a terminal one line)
-    and forwards the numeric metrics to the enabled sinks (``tensorboard``, ``wandb``) at ``step``;
+    and forwards the numeric metrics to the enabled sinks (``tensorboard``, ``wandb``) at ``step``,
+    after ``config`` (the resolved config) as their hyperparameters;
     `log_samples` sends a step's samples to them (a text table, a W&B table)."""
 
     def __init__(self, path: Path, total: int, progress: bool = True, initial: int = 0, *,
                  tensorboard: bool = False, wandb: bool = False, wandb_project: str = "rlpipe",
-                 run_name: str | None = None):
+                 run_name: str | None = None, config: dict | None = None):
         path = Path(path)
         self.file, self.bar, self.sinks, self.step = None, None, [], initial
         try:
@@ -139,6 +185,9 @@ class MetricsWriter:
                 self.sinks.append(_TensorBoard(path.parent / "tensorboard"))
             if wandb:
                 self.sinks.append(_Wandb(wandb_project, run_name or path.parent.name, path.parent))
+            for sink in self.sinks:  # the resolved config, as hyperparameters
+                if config is not None:
+                    sink.log_config(config)
         except BaseException:
             self.close()
             raise

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 
 from rlpipe.core.base import schema as S
-from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.errors import UserError, option
 from rlpipe.core.observe import samples
 from rlpipe.core.observe.health import monitor_for
 from rlpipe.core.observe.metrics import MetricsWriter
@@ -134,7 +134,8 @@ class MetricsLog(Callback):
             self.writer = MetricsWriter(
                 pipe.run_dir / "metrics.jsonl", pipe.cfg.run.steps, pipe.progress,
                 initial=pipe.step_count, tensorboard=log.tensorboard, wandb=log.wandb,
-                wandb_project=log.wandb_project, run_name=pipe.run_dir.name)
+                wandb_project=log.wandb_project, run_name=pipe.run_dir.name,
+                config=pipe.cfg.to_dict())
 
     def on_step_end(self, pipe, batch, metrics: dict) -> None:
         if self.writer is None or (batch is None and len(metrics) == 1):
@@ -145,7 +146,7 @@ class MetricsLog(Callback):
                 self._samples(pipe, batch, metrics["step"])
         except OSError as exc:
             raise UserError(f"cannot write {pipe.run_dir / 'metrics.jsonl'} ({exc}); continue "
-                            f"with --resume once there is space") from exc
+                            f"with {option('resume')} once there is space") from exc
 
     def _samples(self, pipe, batch, step: int) -> None:
         every = pipe.cfg.log.samples_every

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.errors import UserError, option
 from rlpipe.core.models.distributed import load_full_state
 
 MARKER = "COMPLETE"
@@ -164,7 +164,7 @@ def _write_error(exc: BaseException, run_dir: Path, tmp: Path, final: Path) -> B
     free = shutil.disk_usage(root).free / 2**20 if root.is_dir() else float("nan")
     reason = " ".join(str(exc).split())[:300]
     return UserError(f"cannot write checkpoint {final} ({reason}; {free:.0f} MiB free){kept}: "
-                     f"free some space and continue with --resume")
+                     f"free some space and continue with {option('resume')}")
 
 
 def _publish(run_dir: Path, tmp: Path, final: Path, keep: int) -> Path:

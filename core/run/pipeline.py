@@ -44,7 +44,7 @@ from rlpipe.core.contracts.collector import close_collector, request_actor_log_p
 from rlpipe.core.models.critic_start import CriticWarmup
 from rlpipe.core.data.streams import PromptStream
 from rlpipe.core.step.evaluation import Evaluator, eval_collector
-from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.errors import UserError, option
 from rlpipe.core.observe.metrics import to_float
 from rlpipe.core.models.lm import (cpu_has_bf16, logprobs_and_values, response_logprobs,
                                    response_values)
@@ -292,7 +292,7 @@ class Pipeline(RunState):
                    f"health.stop_on" if self.stopped_by in self.cfg.health.stop_on else
                    f"run stopped after step {self.step_count} by {self.stopped_by}")
             print(f"{why}; checkpoint {checkpoint.latest(self.run_dir)} written, no final/; "
-                  f"change the settings and continue with --resume", file=sys.stderr)
+                  f"change the settings and continue with {option('resume')}", file=sys.stderr)
         close_collector(self.plugins.collector)  # e.g. stop a vLLM engine
         if self.evaluator is not None:
             close_collector(self.evaluator.collector)

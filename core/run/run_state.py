@@ -17,7 +17,7 @@ from rlpipe.core.run import build, checkpoint, export, rundir
 from rlpipe.core.models import distributed
 from rlpipe.core.contracts import registry
 from rlpipe.core.config.compose import save_config
-from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.errors import UserError, option
 from rlpipe.core.observe.metrics import keep_steps
 
 
@@ -116,7 +116,7 @@ class RunState:
         damaged = "; ".join(f"{p.name}: {why}" for p, why in skipped)
         if path is None and skipped:
             raise UserError(f"no intact checkpoint in {self.run_dir / 'checkpoints'} ({damaged}); "
-                            f"start again with --overwrite")
+                            f"start again with {option('overwrite')}")
         if skipped and self.dist.is_main:
             print(f"warning: skipping damaged checkpoint(s) ({damaged}); resuming from {path.name}",
                   file=sys.stderr)
@@ -168,7 +168,7 @@ class RunState:
                 raise
             reason = " ".join(str(exc).split())
             raise UserError(f"cannot write {final} ({reason}); the newest checkpoint is intact: "
-                            f"free some space and continue with --resume") from exc
+                            f"free some space and continue with {option('resume')}") from exc
         if self.dist.is_main:
             rundir.write_marker(self.run_dir, "run", finished_step=self.step_count)
         self.dist.barrier()

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.errors import UserError, option
 
 MARKER = ".rlpipe-run"
 LOCK = ".rlpipe-lock"   # `hold`: one rlpipe process at a time writes a run directory
@@ -213,19 +213,19 @@ def check_output(out: Path, layout: Layout, overwrite: bool, resume: bool, key: 
                  reads=()) -> str:
     """The directory's `state` if rlpipe may use it as asked, else a one-line `UserError`."""
     if overwrite and resume:
-        raise UserError(f"{key}: --overwrite deletes the run that --resume (or run.resume: "
+        raise UserError(f"{key}: {option('overwrite')} deletes the run that {option('resume')} (or run.resume: "
                         f"auto) would continue; pass only one of them")
     check_not_protected(out, reads, key)
     found = state(out, layout)
     if found.startswith("foreign"):
-        what = ("--overwrite deletes only what rlpipe created" if overwrite else
+        what = (f"{option('overwrite')} deletes only what rlpipe created" if overwrite else
                 "rlpipe writes only into a new or empty directory or one it created")
         raise UserError(f"{key}: {out} is not empty and not an rlpipe {layout.label} "
                         f"({found.split(': ', 1)[1]}); {what}: choose another {key}")
     if found == "run" and not (overwrite or resume):
-        hint = ", or --resume to continue it" if layout is RUN_LAYOUT else ""
+        hint = f", or {option('resume')} to continue it" if layout is RUN_LAYOUT else ""
         raise UserError(f"{key}: {out} is not empty (an earlier {layout.label}); choose another "
-                        f"{key}, pass --overwrite to replace it{hint}")
+                        f"{key}, pass {option('overwrite')} to replace it{hint}")
     return found
 
 

@@ -35,7 +35,7 @@ from rlpipe.core.contracts import guards, registry
 from rlpipe.core.base import schema as S
 from rlpipe.core.contracts.collector import sampling_view
 from rlpipe.core.config.checks import resolve_plugin
-from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.errors import UserError, option
 from rlpipe.core.data.prompts import PromptData
 from rlpipe.core.contracts.reward_fn import batch_texts
 
@@ -155,5 +155,5 @@ class Evaluator:
                 for s in samples:
                     f.write(json.dumps({"step": step, **s}, default=str) + "\n")
         except OSError as exc:
-            raise UserError(f"cannot write {path} ({exc}); continue with --resume once there "
+            raise UserError(f"cannot write {path} ({exc}); continue with {option('resume')} once there "
                             f"is space") from exc

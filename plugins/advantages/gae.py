@@ -158,6 +158,13 @@ class GAE(TensorDictModuleBase):
     by `length_adaptive_lambda`, per response. VAPO: ``lmbda_critic=1.0``,
     ``length_adaptive_alpha=0.05``.
 
+    Args:
+        gamma: discount
+        lmbda: GAE lambda of the advantages
+        whiten: normalise advantages to mean 0, std 1 over the batch's valid tokens
+        lmbda_critic: lambda of the value targets (null: lmbda; VAPO: 1.0; algorithms.md)
+        length_adaptive_alpha: per-response lambda = 1 - 1/(alpha * length) (null: off; VAPO: 0.05)
+
     >>> GAE(gamma=1.0, lmbda=0.95).out_keys
     ['advantage', 'value_target']
     >>> GAE(lmbda_critic=1.0, length_adaptive_alpha=0.05).lmbda_critic

@@ -58,6 +58,10 @@ class GRPO(TensorDictModuleBase):
     (see `grpo_advantage`) and ``value_target``, a copy of the advantage: there is no critic,
     so nothing reads it.
 
+    Args:
+        scale_std: divide by the group's std (false: Dr. GRPO, mean-centred only)
+        eps: added to the std before dividing
+
     It needs groups (``collector.n >= 2``); the KL penalty goes in the loss unless ``kl.in``
     says otherwise, and ``kl.in: reward`` is refused while it divides by the group std
     (``group_normalised``): the std scaling would turn the scores' KL noise into signal.

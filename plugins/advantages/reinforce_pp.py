@@ -51,6 +51,9 @@ class ReinforcePP(TensorDictModuleBase):
     """Advantage stage: reads ``reward``, ``response_mask``; writes ``advantage`` and
     ``value_target`` (the unwhitened returns), see `reinforce_pp_advantage`.
 
+    Args:
+        gamma: discount of the returns
+
     >>> ReinforcePP().in_keys, ReinforcePP.needs_critic
     (['reward', 'response_mask'], False)
     """

@@ -54,6 +54,9 @@ class RLOO(TensorDictModuleBase):
     (see `rloo_advantage`; whitened over all valid tokens of the batch when ``whiten``) and
     ``value_target``, a copy of the advantage: there is no critic, so nothing reads it.
 
+    Args:
+        whiten: normalise advantages over the batch's valid tokens
+
     It needs groups (``collector.n >= 2``); the KL penalty goes in the loss unless ``kl.in``
     says otherwise (in the reward it is allowed: no group std divides the scores).
 

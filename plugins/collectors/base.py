@@ -162,6 +162,18 @@ class Collector:
     A subclass declares every argument in its own signature (config checks names and types
     against it) with the hints above, passes the shared ones to ``super().__init__`` and checks
     its own with `check_own_args`. ``name`` starts its error messages: ``"hf collector: ..."``.
+
+    Args:
+        max_new_tokens: most tokens per response
+        temperature: sampling temperature (0: greedy)
+        top_p: nucleus sampling: the smallest set of tokens holding this probability (1: off)
+        top_k: sample from the k most likely tokens only (0: off)
+        n: responses per prompt (a GRPO/RLOO group)
+        max_prompt_tokens: a prompt keeps its last this many tokens (lowered to what the model's context leaves after max_new_tokens)
+        chat_template: wrap each plain-string prompt as one user message through the tokenizer's chat template (chat-message prompts are applied always)
+        stop_strings: a response also ends at any of these strings (kept; the row counts as finished)
+        min_new_tokens: EOS is suppressed until a response has this many tokens
+        score_truncated: with top_k/top_p: the trainer scores tokens under the same truncated, renormalised distribution (rollout-correction.md)
     """
 
     name = "custom"

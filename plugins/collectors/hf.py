@@ -56,7 +56,12 @@ class HFCollector(Collector):
     multiple of `STATIC_WIDTH` so that few cache shapes are compiled. Sampling then runs every
     prompt token (no ``models.shared_prefix``); ``record_hidden`` and several processes are
     refused. On CPU, where nothing is compiled, it is slower (3.9 against 3.2 s for 16 x 32
-    tokens of SmolLM2-135M)."""
+    tokens of SmolLM2-135M).
+
+    Args:
+        micro_batch_size: prompts per generate call
+        cache: dynamic, or static: transformers' static KV cache, compiled on CUDA (performance.md)
+    """
 
     name = "hf"
 

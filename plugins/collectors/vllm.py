@@ -58,6 +58,16 @@ class VLLMCollector(Collector):
     ``enable_sleep_mode`` (GPU only) frees the engine's GPU memory between ``collect`` and
     ``sync_weights``, i.e. during the PPO update: weights are offloaded to host memory (sleep
     level 1) and the KV cache is dropped.
+
+    Args:
+        gpu_memory_utilization: share of GPU memory the engine may take (on CPU: of host memory, unless kv_cache_gb)
+        tensor_parallel_size: GPUs the engine spreads over
+        enable_sleep_mode: GPU only: free the engine's memory during the PPO update
+        dtype: engine dtype; auto: the actor's
+        max_model_len: the engine's context length (null: the model's)
+        enforce_eager: no CUDA graphs (faster start, slower decode)
+        seed: engine seed (null: run.seed)
+        kv_cache_gb: fixed KV-cache size in GiB (set it on CPU)
     """
 
     name = "vllm"

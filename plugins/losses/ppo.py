@@ -122,6 +122,17 @@ class PPOLoss(PipelineLoss):
     micro-batches and processes). ``approx_kl`` is the k2 estimator ``(log_ratio)^2 / 2`` of
     KL(pi_old || pi) (`rlpipe.core.step.kl.estimate`), the metric ``train.target_kl`` reads.
 
+    Args:
+        clip_low: PPO clip range below 1: ratio >= 1 - clip_low
+        clip_high: clip range above 1 (null: clip_low; DAPO's clip-higher: larger)
+        dual_clip: dual-clip bound c > 1 on negative advantages (null: off)
+        log_ratio_clamp: bound on log(pi / pi_old) before exp
+        vf_coef: weight of the critic loss
+        value_clip: clip the new value to old +- value_clip (null: off; a fresh value head: off)
+        value_loss: mse or huber
+        entropy_coef: entropy bonus (0: off)
+        agg: token-mean, seq-mean-token-mean or seq-mean-token-sum (seq-mean-*: divided by the minibatch's non-empty responses, as verl and OpenRLHF)
+
     >>> PPOLoss(clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean").clip_high
     0.28
     >>> PPOLoss().contract.entropy, PPOLoss(entropy_coef=0.01).contract.entropy

@@ -129,7 +129,15 @@ def answer_scores(responses: list[str], references: list, extract: str = "auto",
 
 
 class AnswerMatch(nn.Module):
-    """Reward module: `answer_scores` of ``response_text`` against ``("data", column)``."""
+    """Reward module: `answer_scores` of ``response_text`` against ``("data", column)``.
+
+    Args:
+        column: the dataset column holding the reference answer
+        extract: auto (the last \\boxed{}, else the text after ####, else the last number), boxed, hash, number or regex
+        pattern: with extract regex: a regular expression, its last match's first group
+        tolerance: numbers match within this (relative beyond 1)
+        format_reward: reward for an answer present but wrong (0: none); a match gets 1
+    """
 
     def __init__(self, column: str = "answer", extract: Extract = "auto",
                  pattern: str | None = None, tolerance: float = 1e-6, format_reward: float = 0.0):

@@ -55,8 +55,14 @@ def length_penalty(lengths: torch.Tensor, finished: torch.Tensor, *, min_tokens:
 class LengthPenalty(nn.Module):
     """Length penalty reward component: reads ``response_mask`` and ``finished``, returns [B].
 
-    Args: the config keys of the module docstring, and ``ctx``, whose ``max_new_tokens`` is
-    the budget when the config sets none.
+    Args:
+        min_tokens: band start: per_token per token below it
+        max_tokens: band end: per_token per token above it (null: none)
+        per_token: penalty per token outside the band
+        buffer: DAPO overlong buffer: tokens before max_new_tokens where the penalty ramps up to penalty (0: off)
+        penalty: the overlong buffer's full penalty
+        max_new_tokens: the budget the buffer ends at (null: the collector's)
+        truncated_penalty: penalty for a response cut without EOS
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({RESPONSE_MASK: torch.tensor([[1, 1, 0], [1, 1, 1]]).bool(),

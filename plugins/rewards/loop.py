@@ -90,7 +90,12 @@ def loop_penalty(ids: torch.Tensor, mask: torch.Tensor, *, n: int = 3, penalty: 
 class LoopPenalty(nn.Module):
     """Loop penalty reward component: reads ``response_ids`` and ``response_mask``, returns [B].
 
-    Args: ``n``, ``penalty``, ``tail``, ``max_period``, ``min_repeats`` (module docstring).
+    Args:
+        n: n-gram length of the repeated-n-gram fraction
+        penalty: a response that loops to its end gets -penalty
+        tail: also detect a span repeating itself to the end
+        max_period: longest repeating span the tail detector looks for, in tokens
+        min_repeats: repeats of a span at the end that count as a loop
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({RESPONSE_IDS: torch.tensor([[1, 2, 1, 2, 1, 2]]),

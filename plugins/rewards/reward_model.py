@@ -113,6 +113,14 @@ class RewardModel(nn.Module):
     The classifier is deliberately not a registered submodule: it stays out of ``state_dict()``
     (checkpoints hold no frozen copy of it) and out of ``.to()`` (``offload`` decides where it
     lives). Scores come back on the batch's device.
+
+    Args:
+        path: a save_pretrained one-output sequence-classification folder (rlpipe train-rm writes one), pkg:NAME or Hub ID
+        batch_size: texts per forward
+        max_length: tokens per prompt + response (longer ones are cut)
+        dtype: float32 or bfloat16
+        offload: keep on CPU between uses on a GPU
+        trust_remote_code: allow the folder's own Python code (auto_map)
     """
 
     in_keys = [PROMPT_TEXT, RESPONSE_TEXT]

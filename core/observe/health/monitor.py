@@ -23,14 +23,14 @@ in that step's metrics, prints one line the first time it fires, and, if it is i
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from rlpipe.core.contracts import registry
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.contracts.rule import History, Rule
-from rlpipe.core.base.yamlconf import Converter
+from rlpipe.core.base.yamlconf import Converter, opt
 from rlpipe.core.base.files import read_jsonl
 
 HEAD, TAIL = 100, 1000  # rows a live monitor keeps: the run's first steps and its newest
@@ -38,10 +38,14 @@ HEAD, TAIL = 100, 1000  # rows a live monitor keeps: the run's first steps and i
 
 @dataclass
 class HealthConfig:
-    enabled: bool = True              # judge the health rules after every step (rlpipe.core.observe.health)
-    stop_on: list[str] = field(default_factory=list)  # rules that stop the run after a checkpoint
-    ignore: list[str] = field(default_factory=list)   # rules not judged
-    rules: dict[str, Any] = field(default_factory=dict)  # {rule: {param: value}}, e.g. clip_high: {threshold: 0.4}
+    enabled: bool = opt(True, "judge the health rules after every step; false turns off the live "
+                              "checks and stop_on, not rlpipe doctor")
+    stop_on: list[str] = opt(help="rules that stop the run after a checkpoint when they fire",
+                             factory=list)
+    ignore: list[str] = opt(help="rules not judged (live, in rlpipe doctor and in the report)",
+                            factory=list)
+    rules: dict[str, Any] = opt(help="{RULE: {PARAM: VALUE}}: tune a rule within its declared "
+                                     "ranges, e.g. clip_high: {threshold: 0.4}", factory=dict)
     resolved = None  # not a field: the rules `load_config` built (`rlpipe.core.observe.health.load_rules`)
 
 

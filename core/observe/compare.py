@@ -1,0 +1,93 @@
+"""Several runs overlaid (``rlpipe report RUN_A RUN_B ...``): one figure per panel of
+`rlpipe.core.observe.report`, each run in its own colour, written as ``compare-*.png`` into the first
+run's ``report/`` folder, and a table of each run's final numbers.
+
+>>> import json, shutil, tempfile
+>>> runs = [Path(tempfile.mkdtemp()) / name for name in ("lr-high", "lr-low")]
+>>> for run, end in zip(runs, (0.5, 0.9)):
+...     run.mkdir()
+...     rows = [{"step": 1, "reward/score": -1.0}, {"step": 2, "reward/score": end}]
+...     _ = (run / "metrics.jsonl").write_text(chr(10).join(map(json.dumps, rows)))
+>>> print(compare_summary(runs))
+run      steps  reward/score  kl/ref  eval/score
+lr-high      2           0.5       -           -
+lr-low       2           0.9       -           -
+>>> [p.name for p in write_comparison(runs)]       # needs matplotlib
+['compare-overview.png', 'compare-reward.png']
+>>> for run in runs: shutil.rmtree(run.parent)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from rlpipe.core.base.errors import UserError
+from rlpipe.core.observe.report import (PANELS, STYLES, _expand, _figure_class, _finite, _report_dir,
+                                _save, _series, _text, load_metrics)
+
+COLUMNS = ("reward/score", "kl/ref", "eval/score")  # the table's final values
+
+
+def _names(run_dirs: list[Path]) -> list[str]:
+    """Each run's folder name, with its parent where two names are equal."""
+    names = [p.name for p in run_dirs]
+    return [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in run_dirs]
+
+
+def compare_summary(run_dirs: list[Path]) -> str:
+    """One line per run: its steps and the last finite value of `COLUMNS` (``-``: not logged)."""
+    table = [("run", "steps", *COLUMNS)]
+    for name, run in zip(_names(run_dirs), run_dirs):
+        rows = load_metrics(run)
+        last = [(_finite(rows, key) or [(0, None)])[-1][1] for key in COLUMNS]
+        table.append((name, str(len(rows)), *("-" if v is None else f"{v:.4g}" for v in last)))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))) for row in table)
+
+
+def _draw(ax, runs: list[tuple[str, list[dict]]], panel) -> None:
+    """The panel's left-axis metrics of every run: colour per run, line style per metric."""
+    from matplotlib.ticker import MaxNLocator
+
+    for r, (name, rows) in enumerate(runs):
+        for k, key in enumerate(_expand(panel.left, rows)[:len(STYLES)]):
+            ax.plot([row["step"] for row in rows], _series(rows, key), color=f"C{r}",
+                    linestyle=STYLES[k][0], label=_text(f"{name}: {key}"),
+                    marker=STYLES[k][1] if len(rows) <= 60 else None, markersize=4)
+    ax.set(title=panel.title, xlabel="PPO step", ylabel=panel.ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False,
+              ncol=min(len(runs), 3))
+
+
+def write_comparison(run_dirs: list[Path]) -> list[Path]:
+    """``compare-overview.png`` and one ``compare-<panel>.png`` per panel some run logged, in the
+    first run's ``report/``; returns their paths."""
+    run_dirs = [Path(p) for p in run_dirs]
+    if len(set(p.resolve() for p in run_dirs)) < len(run_dirs):
+        raise UserError("rlpipe report: the same run directory is named twice")
+    runs = list(zip(_names(run_dirs), (load_metrics(p) for p in run_dirs)))
+    panels = [p for p in PANELS if any(_expand(p.left, rows) for _, rows in runs)]
+    if not panels:
+        raise UserError("rlpipe report: none of the plotted metrics were logged by these runs")
+    Figure = _figure_class()
+    import matplotlib
+
+    out, nrows = _report_dir(run_dirs[0]), math.ceil(len(panels) / 2)
+    with matplotlib.rc_context({"text.usetex": False}):
+        fig = Figure(figsize=(12, 3.8 * nrows), layout="constrained")
+        fig.suptitle(_text(" vs ".join(name for name, _ in runs)))
+        grid = fig.subplots(nrows, 2, squeeze=False).flat
+        for ax, panel in zip(grid, panels):
+            _draw(ax, runs, panel)
+        for ax in list(grid):
+            ax.set_visible(False)
+        paths = [_save(fig, out / "compare-overview.png")]
+        for panel in panels:
+            fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+            _draw(fig.subplots(), runs, panel)
+            paths.append(_save(fig, out / f"compare-{panel.name}.png"))
+    return paths
