@@ -100,7 +100,7 @@ def test_resolved_config_round_trips(cfg_file, tmp_path):
     ({"bogus": 1}, "unknown key bogus"),
     ({"train__epochz": 3}, "unknown key train.epochz; valid keys here: epochs"),
     ({"advantage__name": "nope"}, "unknown advantage plugin 'nope'; available: gae"),
-    ({"loss__name": "nope"}, "unknown loss plugin 'nope'; available: ppo"),
+    ({"loss__name": "nope"}, "unknown loss plugin 'nope'; available: cispo, gspo, ppo"),
     ({"collector__max_new_tokenz": 3}, "collector.max_new_tokenz: unknown argument for plugin "
                                        "rlpipe.collectors:hf (rlpipe 0.1.0); accepted: max_new_tokens"),
     ({"train__epochs": "four"}, "train.epochs: expected int, got str 'four'"),

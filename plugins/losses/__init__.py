@@ -10,4 +10,6 @@ from rlpipe.plugins import lazy_exports
 
 __all__, __getattr__ = lazy_exports(__name__, {
     "PPOLoss": "ppo:PPOLoss",
+    "GSPOLoss": "gspo:GSPOLoss",
+    "CISPOLoss": "cispo:CISPOLoss",
 })

@@ -112,7 +112,121 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str,
     return per_seq.sum() / torch.as_tensor(num_seqs).clamp_min(1)
 
 
-class PPOLoss(PipelineLoss):
+def check_args(loss: str, rules: dict) -> None:
+    """One `UserError` line for the first argument of loss ``loss`` that breaks its rule:
+    ``rules`` maps a name to ``(value, expected, ok)``; an ``expected`` that starts with "null"
+    admits None.
+
+    >>> check_args("ppo", {"clip_low": (0.2, "a number in (0, 1)", lambda x: 0 < x < 1)})
+    >>> check_args("ppo", {"vf_coef": (True, "a number >= 0", lambda x: x >= 0)})
+    Traceback (most recent call last):
+    ...
+    rlpipe.core.base.errors.UserError: loss 'ppo': vf_coef must be a number >= 0, got True
+    """
+    for name, (x, expected, ok) in rules.items():
+        if x is None and expected.startswith("null"):
+            continue
+        number = not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+        if not (number and ok(x)):
+            raise UserError(f"loss {loss!r}: {name} must be {expected}, got {x!r}")
+
+
+class PolicyGradientLoss(PipelineLoss):
+    """What rlpipe's policy losses share (`PPOLoss`, ``gspo``, ``cispo``): the clipped critic
+    loss, the entropy bonus, the ``kl.in: loss`` term, ``rollout_is_weight`` and the metrics. A
+    subclass sets ``NAME`` (for error lines), ``contract`` and ``out_keys``, checks its own
+    arguments and calls `setup` with the shared ones, and implements `policy_objective`.
+    """
+
+    NAME = "policy"
+    APPROX_KL_ESTIMATOR = "k2"
+
+    @dataclass
+    class _AcceptedKeys(PipelineLoss._AcceptedKeys):
+        old_log_prob: NestedKey = schema.OLD_LOG_PROB
+        advantage: NestedKey = schema.ADVANTAGE
+        entropy: NestedKey = schema.ENTROPY
+        value_pred: NestedKey = schema.VALUE_PRED
+        value: NestedKey = schema.VALUE
+        value_target: NestedKey = schema.VALUE_TARGET
+        num_seqs: NestedKey = schema.NUM_SEQS
+        rollout_is_weight: NestedKey = schema.ROLLOUT_IS_WEIGHT
+
+    default_keys = _AcceptedKeys
+
+    def setup(self, *, log_ratio_clamp: float, vf_coef: float, value_clip: float | None,
+              value_loss: str, entropy_coef: float, agg: str) -> None:
+        """Check and keep the arguments every policy loss takes."""
+        check_args(self.NAME, {
+            "log_ratio_clamp": (log_ratio_clamp, "a number > 0", lambda x: x > 0),
+            "vf_coef": (vf_coef, "a number >= 0", lambda x: x >= 0),
+            "value_clip": (value_clip, "null or a number > 0", lambda x: x > 0),
+            "entropy_coef": (entropy_coef, "a number >= 0", lambda x: x >= 0)})
+        if value_loss not in VALUE_LOSSES:
+            raise UserError(f"loss {self.NAME!r}: value_loss must be one of {VALUE_LOSSES}, "
+                            f"got {value_loss!r}")
+        if agg not in AGG_MODES:
+            raise UserError(f"loss {self.NAME!r}: agg must be one of {AGG_MODES}, got {agg!r}")
+        self.log_ratio_clamp, self.vf_coef, self.value_clip = log_ratio_clamp, vf_coef, value_clip
+        self.value_loss, self.entropy_coef, self.agg = value_loss, entropy_coef, agg
+        # the entropy needs a graph only when it is in the loss; otherwise it is a metric
+        self.contract = dataclasses.replace(self.contract,
+                                            entropy="grad" if entropy_coef > 0 else "detached")
+
+    @property
+    def in_keys(self) -> list[NestedKey]:
+        """Every key the loss reads; ``entropy``, ``value_pred``, ``value``, ``ref_log_prob``,
+        ``kl_coef``, ``rollout_is_weight`` and the counts are optional."""
+        return list(vars(self.tensor_keys).values())
+
+    def policy_objective(self, td: TensorDictBase, mask: torch.Tensor, agg, weight):
+        """``(loss_objective, metrics)``: the policy-gradient term, reduced by ``agg``
+        (`aggregate_loss` with the minibatch's counts), with each token's part times ``weight``
+        (``rollout_is_weight``) unless None; ``metrics`` maps nested keys to detached scalars."""
+        raise NotImplementedError
+
+    def forward(self, td: TensorDictBase) -> TensorDict:
+        keys = self.tensor_keys
+        mask = td.get(keys.response_mask)
+        agg = functools.partial(
+            aggregate_loss, mask=mask, mode=self.agg,
+            num_tokens=global_count(td, keys.num_tokens, mask.sum()),
+            num_seqs=global_count(td, keys.num_seqs, mask.any(-1).sum()))
+        objective, metrics = self.policy_objective(td, mask, agg,
+                                                   td.get(keys.rollout_is_weight, None))
+        out = TensorDict({"loss_objective": objective, **metrics}, batch_size=[])
+        dtype = td.get(keys.log_prob).dtype
+        entropy = td.get(keys.entropy, None)
+        if entropy is not None:
+            out.set(("policy", "entropy"), masked_mean(entropy.detach().to(dtype), mask))
+            if self.entropy_coef > 0:
+                out.set("loss_entropy", -self.entropy_coef * agg(entropy))
+        value_pred = td.get(keys.value_pred, None)
+        if value_pred is not None:
+            target = td.get(keys.value_target)
+            old_value = td.get(keys.value) if self.value_clip is not None else None
+            value_loss, value_clipped = ppo_value_loss(value_pred, old_value, target,
+                                                       value_clip=self.value_clip,
+                                                       kind=self.value_loss)
+            out.set("loss_critic", self.vf_coef * agg(value_loss))
+            for name, x in (("loss", value_loss), ("clipfrac", value_clipped)):
+                out.set(("value", name), masked_mean(x.detach().to(dtype), mask))
+            sums = explained_var_sums(value_pred, target, mask)
+            out.set(("value", "explained_var"), explained_var(sums).to(value_pred.dtype))
+            out.set(("value", "explained_var_sums"), sums)
+        kl_loss = self.kl_penalty(td)  # kl.in: loss
+        if kl_loss is not None:
+            out.set("loss_kl", kl_loss)
+        return out
+
+
+VALUE_METRICS = {"value/loss": "token", "value/clipfrac": "token",
+                 "value/explained_var": EXPLAINED_VAR}
+VALUE_KEYS = ["loss_critic", "loss_entropy", "loss_kl", ("policy", "entropy"), ("value", "loss"),
+              ("value", "clipfrac"), ("value", "explained_var"), ("value", "explained_var_sums")]
+
+
+class PPOLoss(PolicyGradientLoss):
     """PPO loss over a micro-batch (see the module docstring). Emits ``loss_objective``,
     ``loss_critic`` (when ``value_pred`` is present, times ``vf_coef``), ``loss_entropy`` (when
     ``entropy`` is present and ``entropy_coef > 0``), ``loss_kl`` (when the micro-batch carries
@@ -139,32 +253,15 @@ class PPOLoss(PipelineLoss):
     ('detached', 'grad')
     """
 
-    APPROX_KL_ESTIMATOR = "k2"
+    NAME = "ppo"
     contract = LossContract(
         entropy="grad", values=True, kl_term=True, approx_kl_metric="policy/approx_kl",
         rollout_weights=True, critic_terms=("loss_critic",),
         metrics={"policy/loss": "token", "policy/clipfrac": "token",
                  "policy/clipfrac_lower": "token", "policy/approx_kl": "token",
-                 "policy/entropy": "token", "value/loss": "token", "value/clipfrac": "token",
-                 "value/explained_var": EXPLAINED_VAR})
-
-    @dataclass
-    class _AcceptedKeys(PipelineLoss._AcceptedKeys):
-        old_log_prob: NestedKey = schema.OLD_LOG_PROB
-        advantage: NestedKey = schema.ADVANTAGE
-        entropy: NestedKey = schema.ENTROPY
-        value_pred: NestedKey = schema.VALUE_PRED
-        value: NestedKey = schema.VALUE
-        value_target: NestedKey = schema.VALUE_TARGET
-        num_seqs: NestedKey = schema.NUM_SEQS
-        rollout_is_weight: NestedKey = schema.ROLLOUT_IS_WEIGHT
-
-    default_keys = _AcceptedKeys
-    out_keys = ["loss_objective", "loss_critic", "loss_entropy", "loss_kl",
-                ("policy", "loss"), ("policy", "clipfrac"), ("policy", "clipfrac_lower"),
-                ("policy", "approx_kl"), ("policy", "entropy"),
-                ("value", "loss"), ("value", "clipfrac"), ("value", "explained_var"),
-                ("value", "explained_var_sums")]
+                 "policy/entropy": "token", **VALUE_METRICS})
+    out_keys = ["loss_objective", ("policy", "loss"), ("policy", "clipfrac"),
+                ("policy", "clipfrac_lower"), ("policy", "approx_kl"), *VALUE_KEYS]
 
     def __init__(self, *, clip_low: float = 0.2, clip_high: float | None = None,
                  dual_clip: float | None = None, log_ratio_clamp: float = 20.0,
@@ -172,76 +269,24 @@ class PPOLoss(PipelineLoss):
                  entropy_coef: float = 0.0, agg: str = "token-mean"):
         super().__init__()
         clip_high = clip_low if clip_high is None else clip_high
-        rules = {"clip_low": (clip_low, "a number in (0, 1)", lambda x: 0 < x < 1),
-                 "clip_high": (clip_high, "a number > 0", lambda x: x > 0),
-                 "dual_clip": (dual_clip, "null or a number > 1", lambda x: x > 1),
-                 "log_ratio_clamp": (log_ratio_clamp, "a number > 0", lambda x: x > 0),
-                 "vf_coef": (vf_coef, "a number >= 0", lambda x: x >= 0),
-                 "value_clip": (value_clip, "null or a number > 0", lambda x: x > 0),
-                 "entropy_coef": (entropy_coef, "a number >= 0", lambda x: x >= 0)}
-        for name, (x, expected, ok) in rules.items():
-            if x is None and expected.startswith("null"):
-                continue
-            number = not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
-            if not (number and ok(x)):
-                raise UserError(f"loss 'ppo': {name} must be {expected}, got {x!r}")
-        if value_loss not in VALUE_LOSSES:
-            raise UserError(f"loss 'ppo': value_loss must be one of {VALUE_LOSSES}, "
-                            f"got {value_loss!r}")
-        if agg not in AGG_MODES:
-            raise UserError(f"loss 'ppo': agg must be one of {AGG_MODES}, got {agg!r}")
+        check_args(self.NAME, {
+            "clip_low": (clip_low, "a number in (0, 1)", lambda x: 0 < x < 1),
+            "clip_high": (clip_high, "a number > 0", lambda x: x > 0),
+            "dual_clip": (dual_clip, "null or a number > 1", lambda x: x > 1)})
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
-        self.log_ratio_clamp, self.vf_coef, self.value_clip = log_ratio_clamp, vf_coef, value_clip
-        self.value_loss, self.entropy_coef, self.agg = value_loss, entropy_coef, agg
-        # the entropy needs a graph only when it is in the loss; otherwise it is a metric
-        self.contract = dataclasses.replace(self.contract,
-                                            entropy="grad" if entropy_coef > 0 else "detached")
+        self.setup(log_ratio_clamp=log_ratio_clamp, vf_coef=vf_coef, value_clip=value_clip,
+                   value_loss=value_loss, entropy_coef=entropy_coef, agg=agg)
 
-    @property
-    def in_keys(self) -> list[NestedKey]:
-        """Every key the loss reads; ``entropy``, ``value_pred``, ``value``, ``ref_log_prob``,
-        ``kl_coef``, ``rollout_is_weight`` and the counts are optional."""
-        return list(vars(self.tensor_keys).values())
-
-    def forward(self, td: TensorDictBase) -> TensorDict:
+    def policy_objective(self, td: TensorDictBase, mask: torch.Tensor, agg, weight):
+        """The clipped surrogate (`ppo_policy_loss`) and its token-mean metrics."""
         keys = self.tensor_keys
-        mask = td.get(keys.response_mask)
-        agg = functools.partial(
-            aggregate_loss, mask=mask, mode=self.agg,
-            num_tokens=global_count(td, keys.num_tokens, mask.sum()),
-            num_seqs=global_count(td, keys.num_seqs, mask.any(-1).sum()))
         loss, clipped, clipped_lower, log_ratio = ppo_policy_loss(
             td.get(keys.log_prob), td.get(keys.old_log_prob), td.get(keys.advantage),
             clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
             log_ratio_clamp=self.log_ratio_clamp)
-        weight = td.get(keys.rollout_is_weight, None)  # rollout correction (tis, mis)
-        if weight is not None:
+        if weight is not None:  # rollout correction (tis, mis)
             loss = loss * weight
-        out = TensorDict({"loss_objective": agg(loss)}, batch_size=[])
-        metrics = {("policy", "loss"): loss, ("policy", "clipfrac"): clipped,
-                   ("policy", "clipfrac_lower"): clipped_lower,
-                   ("policy", "approx_kl"): kl.estimate(-log_ratio, self.APPROX_KL_ESTIMATOR)}
-        entropy = td.get(keys.entropy, None)
-        if entropy is not None:
-            metrics[("policy", "entropy")] = entropy
-            if self.entropy_coef > 0:
-                out.set("loss_entropy", -self.entropy_coef * agg(entropy))
-        value_pred = td.get(keys.value_pred, None)
-        if value_pred is not None:
-            target = td.get(keys.value_target)
-            old_value = td.get(keys.value) if self.value_clip is not None else None
-            value_loss, value_clipped = ppo_value_loss(value_pred, old_value, target,
-                                                       value_clip=self.value_clip,
-                                                       kind=self.value_loss)
-            out.set("loss_critic", self.vf_coef * agg(value_loss))
-            metrics[("value", "loss")] = value_loss
-            metrics[("value", "clipfrac")] = value_clipped
-            sums = explained_var_sums(value_pred, target, mask)
-            out.set(("value", "explained_var"), explained_var(sums).to(value_pred.dtype))
-            out.set(("value", "explained_var_sums"), sums)
-        for key, x in metrics.items():
-            out.set(key, masked_mean(x.detach().to(log_ratio.dtype), mask))
-        kl_loss = self.kl_penalty(td)  # kl.in: loss
-        if kl_loss is not None:
-            out.set("loss_kl", kl_loss)
-        return out
+        metrics = {"loss": loss, "clipfrac": clipped, "clipfrac_lower": clipped_lower,
+                   "approx_kl": kl.estimate(-log_ratio, self.APPROX_KL_ESTIMATOR)}
+        return agg(loss), {("policy", k): masked_mean(x.detach().to(log_ratio.dtype), mask)
+                           for k, x in metrics.items()}
