@@ -57,7 +57,7 @@ def logged(tmp_path_factory) -> set[str]:
     return names
 
 
-def test_every_logged_metric_is_in_the_readme_table(logged):
+def test_every_logged_metric_is_in_the_metric_table(logged):
     missing = sorted(logged - documented())
     assert not missing, f"metrics logged but missing from the metric table (docs/metrics.md): {missing}"
 
