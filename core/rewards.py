@@ -60,6 +60,7 @@ def wrap_reward_function(fn) -> type[nn.Module]:
     named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     config_params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in named
                      if p.default is not p.empty]
+    defaults = {p.name: p.default for p in config_params}
 
     class FunctionReward(nn.Module):
         columns = tuple(p.name for p in named if p.default is p.empty)
@@ -72,7 +73,14 @@ def wrap_reward_function(fn) -> type[nn.Module]:
             skip = {schema.PROMPT_TEXT, schema.RESPONSE_TEXT, schema.DATA, *self.kwargs}
             batch = {k: td.get(k) for k in td.keys() if k not in skip}
             if schema.DATA in td.keys():
-                batch.update({k: batch_texts(td, (schema.DATA, k)) for k in td.get(schema.DATA).keys()})
+                columns = list(td.get(schema.DATA).keys())
+                shadowing = [c for c in columns if c in defaults]
+                if shadowing:  # it would replace the setting's value silently
+                    c = shadowing[0]
+                    raise UserError(f"reward function {fn.__name__}: the data column {c!r} has the "
+                                    f"name of its setting {c} (default {defaults[c]!r}); rename "
+                                    f"the column or the parameter")
+                batch.update({k: batch_texts(td, (schema.DATA, k)) for k in columns})
             out = fn(batch_texts(td, schema.PROMPT_TEXT), batch_texts(td, schema.RESPONSE_TEXT),
                      **batch, **self.kwargs)
             try:
