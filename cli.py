@@ -116,7 +116,7 @@ def main():
 @_user_errors
 def run(config_path, overrides, overwrite, no_progress, resume):
     """Train with CONFIG (YAML); KEY=VALUE pairs override it, e.g. run.steps=20."""
-    from rlpipe.core import distributed, rundir
+    from rlpipe.core import distributed, runlock
     from rlpipe.core.build import check_run_dir, finished_message
     from rlpipe.core.config import load_config
     from rlpipe.core.pipeline import Pipeline
@@ -141,7 +141,7 @@ def run(config_path, overrides, overwrite, no_progress, resume):
         pipeline = Pipeline(cfg, overwrite=overwrite, progress=not no_progress, resume=resume)
         run_dir = pipeline.train()
     except Exception as exc:
-        rundir.release_all()
+        runlock.release_all()
         distributed.shutdown(wait=False)
         lost = distributed.lost_peer(exc)
         if lost is None:
@@ -151,7 +151,7 @@ def run(config_path, overrides, overwrite, no_progress, resume):
             click.echo(f"error (rank {os.environ.get('RANK', '?')}): {lost}", err=True)
         sys.exit(distributed.LOST_PEER_EXIT)
     except BaseException:
-        rundir.release_all()
+        runlock.release_all()
         distributed.shutdown(wait=False)
         raise
     distributed.shutdown()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rlpipe.core import checkpoint, rundir
+from rlpipe.core import checkpoint, runlock
 from rlpipe.core.errors import UserError
 
 POLICY = "policy"
@@ -115,7 +115,7 @@ def export(run_dir: Path, out: Path, step: int | None = None, merge: bool = True
     run_dir = Path(run_dir).expanduser().resolve()
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"{run_dir} is not an rlpipe run directory (no config.yaml)")
-    lock = rundir.hold(run_dir, "RUN_DIR", shared=True)  # no run, --resume or --overwrite meanwhile
+    lock = runlock.hold(run_dir, "RUN_DIR", shared=True)  # no run, --resume or --overwrite meanwhile
     try:
         return _export(run_dir, out, step, merge)
     finally:
