@@ -20,18 +20,22 @@ LOCK = ".rlpipe-lock"
 
 
 class Held:
-    """An OS lock (``flock``) on ``DIR/.rlpipe-lock``, released by `release` (an exclusive
-    holder deletes the file first) or when the process ends however it ends; the file records
-    the exclusive holder's pid."""
+    """An OS lock (``flock``) on ``DIR/.rlpipe-lock``, released by `release` (which deletes the
+    file when no other process holds it) or when the process ends however it ends; the file
+    records the exclusive holder's pid."""
 
-    def __init__(self, file, path: Path | None):
+    def __init__(self, file, path: Path):
         self.file, self.path = file, path
 
     def release(self) -> None:
-        if not self.file.closed:
-            if self.path is not None:
-                self.path.unlink(missing_ok=True)
-            self.file.close()  # closing the descriptor drops the lock
+        if self.file.closed:
+            return
+        try:  # the last holder (a shared one may not be) deletes the file, then unlocks
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.path.unlink(missing_ok=True)
+        except BlockingIOError:
+            pass
+        self.file.close()  # closing the descriptor drops the lock
 
 
 def hold(out: Path, key: str, shared: bool = False) -> Held:
@@ -72,7 +76,7 @@ def hold(out: Path, key: str, shared: bool = False) -> Held:
         file.truncate(0)
         file.write(f"{os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
         file.flush()
-    _HELD[out] = Held(file, None if shared else path)
+    _HELD[out] = Held(file, path)
     return _HELD[out]
 
 

@@ -90,3 +90,10 @@ def test_export_waits_for_no_run_and_a_run_for_no_export(tmp_path, harness):
     finally:
         proc.kill()
         proc.wait()
+    (run_dir / runlock.LOCK).unlink()  # what the killed holder left
+    first = runlock.hold(run_dir, "RUN_DIR", shared=True)  # an export, as another process
+    runlock._HELD.clear()
+    result = harness.run(["export", run_dir, tmp_path / "out"])  # a second export may read
+    assert "in use" not in result.stderr
+    first.release()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]  # no lock file left
