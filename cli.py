@@ -123,7 +123,7 @@ def run(config_path, overrides, overwrite, no_progress, resume):
     from rlpipe.core.run.build import check_run_dir, finished_message
     from rlpipe.core.config.settings import load_config
     from rlpipe.core.run.pipeline import Pipeline
-    from rlpipe.core.run import rundir
+    from rlpipe.core.run import runlock
 
     cfg = load_config(config_path, overrides)
     if os.environ.get("RANK", "0") == "0":  # rank 0 alone looks: the others would race its writes
@@ -145,7 +145,7 @@ def run(config_path, overrides, overwrite, no_progress, resume):
         pipeline = Pipeline(cfg, overwrite=overwrite, progress=not no_progress, resume=resume)
         run_dir = pipeline.train()
     except Exception as exc:
-        rundir.release_all()
+        runlock.release_all()
         distributed.shutdown(wait=False)
         lost = distributed.lost_peer(exc)
         if lost is None:
@@ -155,7 +155,7 @@ def run(config_path, overrides, overwrite, no_progress, resume):
             click.echo(f"error (rank {os.environ.get('RANK', '?')}): {lost}", err=True)
         sys.exit(distributed.LOST_PEER_EXIT)
     except BaseException:
-        rundir.release_all()
+        runlock.release_all()
         distributed.shutdown(wait=False)
         raise
     distributed.shutdown()

@@ -121,6 +121,21 @@ def test_encoding_chat_template_budget_and_pad_fallback(tiny_model, tiny_tokeniz
     assert no_pad.pad_id == tiny_tokenizer_no_pad.eos_token_id
 
 
+def test_a_prompt_cut_to_the_budget_says_so_once(tiny_model, tiny_tokenizer, capsys):
+    """It was cut silently: the model then answered a prompt the user never wrote."""
+    short = Fixed(RunContext(tokenizer=tiny_tokenizer, actor=tiny_model), answer=[2],
+                  max_prompt_tokens=2)
+    short.encode(["the cat", "the big cat", "a"])
+    err = capsys.readouterr().err.splitlines()
+    n = len(tiny_tokenizer("the big cat").input_ids)
+    assert err == [f"warning: fixed collector: 2 of 3 prompts are longer than the prompt budget "
+                   f"(2 tokens: max_prompt_tokens and the model's context) and keep only their "
+                   f"last 2 tokens (the first has {len(tiny_tokenizer('the cat').input_ids)}); "
+                   f"shorten them or raise max_prompt_tokens"] and n > 2
+    short.encode(["the big cat"])
+    assert capsys.readouterr().err == ""  # once per run
+
+
 def test_declared_attributes_and_defaults(ctx):
     collector = Fixed(ctx, answer=[2], temperature=0.7, max_new_tokens=5, stop_strings=["x"])
     assert (collector.temperature, collector.max_new_tokens, collector.n) == (0.7, 5, 1)

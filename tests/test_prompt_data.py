@@ -105,6 +105,19 @@ def test_chat_messages_with_a_system_turn_go_through_the_template(tiny_tokenizer
         "user : a dog assistant : sat user : and assistant : "]
 
 
+def test_a_chat_row_the_template_refuses_fails_before_training(tiny_tokenizer):
+    """Only row 1 was tried at start: a bad row 3 stopped the run whenever it was sampled."""
+    tiny_tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and loop.first %}"
+        "{{ raise_exception('a conversation starts with a user turn') }}{% endif %}"
+        "{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant : ")
+    chats = [[{"role": "user", "content": "the cat"}]] * 2 + [[{"role": "assistant", "content": "x"}]]
+    data = load_prompt_data(datasets.Dataset.from_dict({"prompt": chats}))
+    with pytest.raises(UserError, match="data.prompts row 3: the chat template failed: .*starts "
+                                        "with a user turn"):
+        data.use_tokenizer(tiny_tokenizer)
+
+
 def test_a_template_that_writes_bos_does_not_give_two(tiny_tokenizer):
     """The tiny tokenizer adds <s> itself; a template that writes it too would double it when
     the collector encodes the text."""

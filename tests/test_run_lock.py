@@ -14,13 +14,13 @@ from pathlib import Path
 
 import yaml
 
-from rlpipe.core.run import rundir
+from rlpipe.core.run import runlock
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FAST = ["run.steps=1", "data.batch_size=2", "collector.max_new_tokens=6", "train.epochs=1",
         "train.minibatches=1", "log.progress=false"]
-HOLD = ("import sys, time; from pathlib import Path; from rlpipe.core.run import rundir; "
-        "rundir.hold(Path(sys.argv[1]), 'run.output_dir'); print('held', flush=True); "
+HOLD = ("import sys, time; from pathlib import Path; from rlpipe.core.run import runlock; "
+        "runlock.hold(Path(sys.argv[1]), 'run.output_dir'); print('held', flush=True); "
         "time.sleep(120)")
 
 
@@ -41,14 +41,14 @@ def test_a_second_run_overwrite_or_resume_is_refused_while_another_process_holds
         for flags in ([], ["--overwrite"], ["--resume"]):
             result = harness.run(["run", config, f"run.output_dir={run_dir}", *FAST, *flags])
             harness.error(result, f"{run_dir} is in use by another rlpipe process (pid {proc.pid}")
-        assert [p.name for p in run_dir.iterdir()] == [rundir.LOCK]  # nothing written
+        assert [p.name for p in run_dir.iterdir()] == [runlock.LOCK]  # nothing written
     finally:
         proc.kill()
         proc.wait()
     # the holder died without releasing: the OS dropped its lock, its file is rlpipe's own
     result = harness.run(["run", config, f"run.output_dir={run_dir}", *FAST])
     assert result.returncode == 0, result.stderr[-2000:]
-    assert not (run_dir / rundir.LOCK).exists()
+    assert not (run_dir / runlock.LOCK).exists()
 
 
 def test_overwrite_cannot_delete_a_running_run(tmp_path, harness):
@@ -90,3 +90,10 @@ def test_export_waits_for_no_run_and_a_run_for_no_export(tmp_path, harness):
     finally:
         proc.kill()
         proc.wait()
+    (run_dir / runlock.LOCK).unlink()  # what the killed holder left
+    first = runlock.hold(run_dir, "RUN_DIR", shared=True)  # an export, as another process
+    runlock._HELD.clear()
+    result = harness.run(["export", run_dir, tmp_path / "out"])  # a second export may read
+    assert "in use" not in result.stderr
+    first.release()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]  # no lock file left

@@ -15,7 +15,7 @@ import yaml
 from click.testing import CliRunner
 
 from rlpipe.cli import main
-from rlpipe.core.run import build, rundir
+from rlpipe.core.run import build, rundir, runlock
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.run.pipeline import Pipeline
@@ -161,8 +161,8 @@ def test_an_existing_empty_folder_is_used_as_it_is(world):
     empty.mkdir()
     cfg = load_config(world.config, [f"run.output_dir={empty}"])
     assert build.prepare_run_dir(cfg)[0] == empty.resolve()
-    assert sorted(p.name for p in empty.iterdir()) == [rundir.LOCK, rundir.MARKER, "config.yaml"]
-    rundir._HELD.pop(empty.resolve()).release()  # what the run's end does
+    assert sorted(p.name for p in empty.iterdir()) == [runlock.LOCK, rundir.MARKER, "config.yaml"]
+    runlock._HELD.pop(empty.resolve()).release()  # what the run's end does
     assert sorted(p.name for p in empty.iterdir()) == [rundir.MARKER, "config.yaml"]
 
 

@@ -16,6 +16,7 @@ from rlpipe.core.run.pipeline import Pipeline
 from rlpipe.core.contracts.reward_fn import wrap_reward_function
 from rlpipe.core.step.rewards import RewardComposer
 from rlpipe.plugins.collectors.hf import HFCollector
+from rlpipe.plugins.losses.ppo import PPOLoss
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 FAST = ["run.steps=1", "data.batch_size=4", "collector.max_new_tokens=6", "train.epochs=1",
@@ -96,3 +97,35 @@ def test_non_finite_engine_log_probs_blame_the_engine(mode, tmp_path, monkeypatc
                                         r"response tokens.*not the actor") as err:
         Pipeline(cfg, progress=False).train()
     assert "train.lr" not in str(err.value) and "old_log_prob" not in str(err.value)
+
+
+class DetachedLoss(PPOLoss):
+    """Its loss terms carry no gradient (computed from detached tensors)."""
+
+    def forward(self, td):
+        out = super().forward(td)
+        for key in [k for k in out.keys() if isinstance(k, str) and k.startswith("loss_")]:
+            out[key] = out[key].detach()
+        return out
+
+
+def test_a_loss_without_a_gradient_is_one_line_naming_it(tmp_path):
+    """torch's "element 0 of tensors does not require grad" named neither the plugin nor why."""
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path / 'run'}", *FAST])
+    with pytest.raises(UserError, match=r"DetachedLoss.*: none of its loss terms \(loss_.*\) has "
+                                        r"a gradient, so nothing would train"):
+        Pipeline(cfg, progress=False, loss=DetachedLoss()).train()
+
+
+def test_a_data_column_named_like_a_reward_setting_is_refused():
+    """It used to replace the setting's default silently (a list where a number was meant)."""
+    def longer(prompts, responses, min_tokens=4, **batch):
+        return [float(len(r) >= min_tokens) for r in responses]
+    td = batch()
+    td["data", "min_tokens"] = NonTensorStack("9", "9")
+    with pytest.raises(UserError, match="reward function longer: the data column 'min_tokens' "
+                                        "has the name of its setting min_tokens \\(default 4\\)"):
+        RewardComposer([("r", 1.0, wrap_reward_function(longer)())])(td)
+    del td["data", "min_tokens"]
+    td["data", "answer"] = NonTensorStack("9", "9")  # other columns are fine
+    assert RewardComposer([("r", 1.0, wrap_reward_function(longer)())])(td)[S.SCORE].tolist() == [0, 0]

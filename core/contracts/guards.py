@@ -85,4 +85,8 @@ def loss_terms(out, loss) -> list[str]:
     if not terms:
         raise UserError(f"{registry.label_of(loss)} returned no loss_* entry "
                         f"(keys: {', '.join(map(str, out.keys())) or 'none'})")
+    if torch.is_grad_enabled() and not any(getattr(out[k], "requires_grad", False) for k in terms):
+        raise UserError(f"{registry.label_of(loss)}: none of its loss terms ({', '.join(terms)}) "
+                        f"has a gradient, so nothing would train; compute them from the batch's "
+                        f"log_prob (and value_pred), not under torch.no_grad or .detach()")
     return terms

@@ -138,6 +138,7 @@ def wrap_reward_function(fn) -> type[nn.Module]:
     named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     config_params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in named
                      if p.default is not p.empty]
+    defaults = {p.name: p.default for p in config_params}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
     wanted = set(inspect.signature(fn).parameters)
 
@@ -159,7 +160,14 @@ def wrap_reward_function(fn) -> type[nn.Module]:
             else:
                 skip = {schema.PROMPT_TEXT, schema.RESPONSE_TEXT, schema.DATA, *self.kwargs}
                 batch = {k: td.get(k) for k in td.keys() if k not in skip}
-                batch.update({k: v for k, v in _columns(td).items() if k not in self.kwargs})
+                columns = _columns(td)
+                shadowing = [c for c in columns if c in defaults]
+                if shadowing:  # it would replace the setting's value silently
+                    c = shadowing[0]
+                    raise UserError(f"reward function {fn.__name__}: the data column {c!r} has the "
+                                    f"name of its setting {c} (default {defaults[c]!r}); rename "
+                                    f"the column or the parameter")
+                batch.update(columns)
                 out = fn(batch_texts(td, schema.PROMPT_TEXT),
                          batch_texts(td, schema.RESPONSE_TEXT), **batch, **self.kwargs)
             try:

@@ -201,6 +201,7 @@ class PromptData:
     source: str = "data.prompts"
     kinds: dict[str, str] = field(default_factory=dict)
     _tokenizer: object = None
+    _chat_texts: list | None = None  # each chat row through the template (`use_tokenizer`)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -212,9 +213,10 @@ class PromptData:
             raise UserError(f"{self.source}: the prompts are chat messages but the actor's "
                             f"tokenizer has no chat template; give plain-string prompts or a "
                             f"tokenizer with a chat template")
-        self._tokenizer = tokenizer
-        if self.chat:
-            self.texts([0])  # a template that fails on this data fails now, not mid-run
+        self._tokenizer, self._chat_texts = tokenizer, None
+        if self.chat:  # every row now: a template that fails on a row fails before training
+            self._chat_texts = [chat_text(tokenizer, messages, f"{self.source} row {i + 1}")
+                                for i, messages in enumerate(self.prompts)]
 
     def texts(self, rows: list[int]) -> list[str]:
         """The prompt text of each row: chat messages through the chat template, with the
@@ -223,8 +225,7 @@ class PromptData:
             return [self.prompts[i] for i in rows]
         if self._tokenizer is None:
             raise RuntimeError("PromptData.use_tokenizer(tokenizer) must come before texts()")
-        return [chat_text(self._tokenizer, self.prompts[i], f"{self.source} row {i + 1}")
-                for i in rows]
+        return [self._chat_texts[i] for i in rows]
 
     def attach(self, batch, rows: list[int]) -> None:
         """Write each column of ``rows[group_id]`` into ``batch`` under ``("data", COLUMN)``:

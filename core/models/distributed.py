@@ -27,6 +27,7 @@ import torch.distributed as dist
 from tensordict import NonTensorStack, TensorDict, is_leaf_nontensor
 
 from rlpipe.core.base import schema as S
+from rlpipe.core.base.errors import UserError
 
 _PROMPT_KEYS = (S.PROMPT_IDS, S.PROMPT_MASK)
 
@@ -174,16 +175,46 @@ def init(device_name: str, timeout_s: float = 600.0) -> tuple[Dist, str]:
     """Join the torchrun job if this process is in one; returns (Dist, device name to use).
     A collective that waits more than ``timeout_s`` (a rank died or hangs) raises instead of
     blocking forever."""
-    if not launched() or int(os.environ["WORLD_SIZE"]) == 1:
+    if not launched() or _job_env()[1] == 1:
         return Dist(), device_name
-    local_rank = int(os.environ["LOCAL_RANK"])
+    rank, world, local_rank = _job_env()
     use_cuda = device_name != "cpu" and torch.cuda.is_available()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group("nccl" if use_cuda else "gloo",
+                                    timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError, dist.DistError) as exc:  # the store never answered
+            at = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+            raise UserError(f"rank {rank} of {world} could not join the job at {at} within "
+                            f"distributed.timeout_s={timeout_s:g} s "
+                            f"({' '.join(str(exc).split())[:200]})") from exc
     if use_cuda:
         torch.cuda.set_device(local_rank)
         device_name = f"cuda:{local_rank}"
     return Dist(dist.get_rank(), dist.get_world_size()), device_name
+
+
+def _job_env() -> tuple[int, int, int]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) of a torchrun worker; a half-set environment (a variable
+    missing or not a number, RANK outside the world) is one `UserError` naming it."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    missing = [n for n in names if not os.environ.get(n)]
+    if missing:
+        raise UserError(f"this process looks like a torchrun worker (LOCAL_RANK and WORLD_SIZE "
+                        f"are set) but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
+                        f" not: start it with torchrun (or distributed.nproc / nnodes), or unset "
+                        f"LOCAL_RANK and WORLD_SIZE")
+    try:
+        rank, world, local = (int(os.environ[n]) for n in names[:3])
+        int(os.environ["MASTER_PORT"])
+    except ValueError:
+        raise UserError(f"torchrun variables must be integers: "
+                        f"{', '.join(f'{n}={os.environ[n]!r}' for n in names[:3])}, "
+                        f"MASTER_PORT={os.environ['MASTER_PORT']!r}") from None
+    if not (0 <= rank < world and 0 <= local <= rank):
+        raise UserError(f"torchrun variables disagree: RANK={rank}, WORLD_SIZE={world}, "
+                        f"LOCAL_RANK={local} (0 <= LOCAL_RANK <= RANK < WORLD_SIZE)")
+    return rank, world, local
 
 
 LAUNCHER_ENV = "RLPIPE_LAUNCHED"   # set by core/run/launch.py for its workers

@@ -16,7 +16,7 @@ import torch
 
 from rlpipe.core.config import compose
 from rlpipe.core.contracts import references, registry
-from rlpipe.core.run import rundir
+from rlpipe.core.run import rundir, runlock
 from rlpipe.core.config.compose import save_config
 from rlpipe.core.config.settings import Config
 from rlpipe.core.config.checks import collector_contract, resolve_plugin
@@ -83,15 +83,15 @@ def finished_message(cfg: Config, resume: bool = False) -> str | None:
 
 
 def prepare_run_dir(cfg: Config, overwrite: bool = False, resume: bool = False,
-                    is_main: bool = True) -> tuple[Path, rundir.Held | None]:
+                    is_main: bool = True) -> tuple[Path, runlock.Held | None]:
     """Create the run directory with its marker and resolved config (rank 0 only), and its lock
-    (`rundir.hold`: held until released or the process ends). An earlier run is kept for
+    (`runlock.hold`: held until released or the process ends). An earlier run is kept for
     ``resume`` and cleared with ``overwrite``; anything else is refused."""
     if not is_main:  # rank 0 checks and writes; another rank would see rank 0's files
         return Path(cfg.run.output_dir).expanduser().resolve(), None
     run_dir = _check_run_dir(cfg, overwrite, resume)[0]  # refused before anything is written
     with writing(run_dir, "the run directory and its lock"):
-        lock = rundir.hold(run_dir, "run.output_dir")
+        lock = runlock.hold(run_dir, "run.output_dir")
     run_dir, found, changes = _check_run_dir(cfg, overwrite, resume)  # again, as its owner
     if found == "run" and (resume or cfg.run.resume == "auto"):
         if changes:  # config.yaml is rewritten once the checkpoint is loaded

@@ -26,7 +26,7 @@ from rlpipe.core.run import build
 from rlpipe.core.models.distributed import load_full_state
 from rlpipe.core.models.lm import load_causal_lm, load_tokenizer
 from rlpipe.core.config.settings import load_config
-from rlpipe.core.run import checkpoint, rundir
+from rlpipe.core.run import checkpoint, runlock
 
 POLICY = "policy"
 
@@ -116,7 +116,7 @@ def export(run_dir: Path, out: Path, step: int | None = None, merge: bool = True
     run_dir = Path(run_dir).expanduser().resolve()
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"{run_dir} is not an rlpipe run directory (no config.yaml)")
-    lock = rundir.hold(run_dir, "RUN_DIR", shared=True)  # no run, --resume or --overwrite meanwhile
+    lock = runlock.hold(run_dir, "RUN_DIR", shared=True)  # no run, --resume or --overwrite meanwhile
     try:
         return _export(run_dir, out, step, merge)
     finally:

@@ -60,12 +60,20 @@ def launch(argv: list[str], d) -> int:
     args = parse_args([*torchrun_args(d, log_dir), "-m", "rlpipe.cli", *argv])
     os.environ[LAUNCHER_ENV] = "1"  # workers that lose a peer exit quietly: the cause is printed
     logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # its failure report is a page
+    if d.nnodes > 1:
+        click.echo(f"rlpipe: waiting up to distributed.timeout_s={d.timeout_s:g} s for "
+                   f"{d.nnodes} nodes to join at {d.rdzv_endpoint}", err=True)
     try:
         run(args)
         return 0
     except ChildFailedError as exc:
         return _report(exc.failures, Path(log_dir))
     except Exception as exc:  # noqa: BLE001 - rendezvous and launch problems: port, host, timeout
+        if type(exc).__name__ == "RendezvousTimeoutError":
+            raise UserError(f"distributed.nnodes={d.nnodes}: not every node joined at "
+                            f"{d.rdzv_endpoint} within distributed.timeout_s={d.timeout_s:g} s; "
+                            f"start rlpipe on each node with the same distributed.rdzv_endpoint "
+                            f"and rdzv_id") from exc
         raise UserError(f"distributed launch failed ({_where(d)}): {type(exc).__name__}: "
                         f"{_first_line(exc)}") from exc
     finally:
@@ -153,6 +161,13 @@ def _check_endpoint(endpoint: str, timeout: float) -> None:
     from torch.distributed import TCPStore
 
     host, _, port = endpoint.rpartition(":")
+    if not port.isdigit() or not host:
+        raise UserError(f"distributed.rdzv_endpoint={endpoint}: expected HOST:PORT")
+    try:
+        socket.getaddrinfo(host, int(port))
+    except OSError as exc:  # torchrun would retry the name until long after timeout_s
+        raise UserError(f"distributed.rdzv_endpoint={endpoint}: host {host!r} does not resolve "
+                        f"({exc.strerror or exc}); give the first node's address") from exc
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except (OSError, ValueError):

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlpipe.core.base.errors import UserError, option
+from rlpipe.core.run.runlock import LOCK
 
 MARKER = ".rlpipe-run"
-LOCK = ".rlpipe-lock"   # `hold`: one rlpipe process at a time writes a run directory
 
 
 @dataclass(frozen=True)
@@ -251,93 +251,6 @@ def prepare(out: Path, layout: Layout, found: str) -> None:
         (out / "metrics.jsonl").unlink()
     out.mkdir(parents=True, exist_ok=True)
     write_marker(out, layout.kind)
-
-
-class Held:
-    """An OS lock (``flock``) on ``DIR/.rlpipe-lock``, released by `release` (an exclusive
-    holder deletes the file first) or when the process ends however it ends; the file records
-    the exclusive holder's pid."""
-
-    def __init__(self, file, path: Path | None):
-        self.file, self.path = file, path
-
-    def release(self) -> None:
-        if not self.file.closed:
-            if self.path is not None:
-                self.path.unlink(missing_ok=True)
-            self.file.close()  # closing the descriptor drops the lock
-
-
-def hold(out: Path, key: str, shared: bool = False) -> Held:
-    """Lock run directory ``out`` (created if missing) for this process: exclusively to write
-    it (run, --resume, --overwrite), ``shared`` to read it (export). A directory another rlpipe
-    process holds is one `UserError` naming that process.
-
-    >>> import tempfile, pathlib
-    >>> d = pathlib.Path(tempfile.mkdtemp()) / "run"
-    >>> first = hold(d, "run.output_dir")
-    >>> _HELD.clear()  # as if another process held it
-    >>> hold(d, "run.output_dir")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    rlpipe.core.base.errors.UserError: run.output_dir: .../run is in use by another rlpipe process (pid ...
-    >>> first.release(); hold(d, "run.output_dir").release(); sorted(d.iterdir())
-    []
-    """
-    import fcntl
-
-    out.mkdir(parents=True, exist_ok=True)
-    if out in _HELD:  # this process already holds it (a run that raised, then its --resume)
-        _HELD.pop(out).release()
-    path = out / LOCK
-    while True:
-        file = open(path, "a+", encoding="utf-8")
-        try:
-            fcntl.flock(file, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip()
-            file.close()
-            pid = holder.split()[0] if holder else ""
-            who = f"pid {holder}" if pid.isdigit() and _alive(int(pid)) else "an rlpipe export"
-            raise UserError(f"{key}: {out} is in use by another rlpipe process ({who}); wait "
-                            f"for it to end or choose another {key}") from None
-        if _same_file(path, file):
-            break
-        file.close()  # its holder deleted the file while this process waited: lock the new one
-    if not shared:
-        file.truncate(0)
-        file.write(f"{os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
-        file.flush()
-    _HELD[out] = Held(file, None if shared else path)
-    return _HELD[out]
-
-
-_HELD: dict[Path, Held] = {}
-
-
-def release_all() -> None:
-    """Release every run directory this process holds (a run that failed: its lock file goes)."""
-    while _HELD:
-        _HELD.popitem()[1].release()
-
-
-def _same_file(path: Path, file) -> bool:
-    try:
-        now = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(file.fileno())
-    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def publish(tmp: Path, final: Path) -> None:

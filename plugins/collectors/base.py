@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -269,6 +270,14 @@ class Collector:
             rows = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         else:
             rows = self.tokenizer(list(prompts))["input_ids"]
+        long = [i for i, row in enumerate(rows) if len(row) > self.prompt_budget]
+        if long and not getattr(self, "_said_cut", False):  # once per run: a line, not a flood
+            self._said_cut = True
+            print(f"warning: {self.label}: {len(long)} of {len(rows)} prompts are longer than "
+                  f"the prompt budget ({self.prompt_budget} tokens: max_prompt_tokens and the "
+                  f"model's context) and keep only their last {self.prompt_budget} tokens (the "
+                  f"first has {len(rows[long[0]])}); shorten them or raise max_prompt_tokens",
+                  file=sys.stderr)
         rows = [list(row[-self.prompt_budget:]) for row in rows]
         if not all(rows):
             raise UserError(f"{self.label}: prompt {rows.index([])} encodes to no tokens")
