@@ -102,6 +102,13 @@ class ModelsConfig:
 
 
 @dataclass
+class DynamicSamplingConfig:
+    enabled: bool = False   # DAPO's dynamic sampling: drop groups whose samples all scored the same
+    max_rounds: int = num(4, ">= 0")  # extra collection rounds per step at most; then the batch
+                                      # is topped up with the newest flat groups
+
+
+@dataclass
 class DataConfig:
     prompts: Path | str | None = None  # .txt (a prompt a line), .jsonl/.json/.parquet/.csv, a
                                        # save_to_disk folder or a cached Hub dataset name; None:
@@ -111,6 +118,7 @@ class DataConfig:
     split: str = "train"              # the split of a folder, DatasetDict or Hub dataset
     prompt_key: str = "prompt"        # the prompt column: strings, or chat messages
                                       # ([{role, content}]) applied through the chat template
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
 
 @dataclass
