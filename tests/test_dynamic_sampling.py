@@ -78,8 +78,11 @@ def test_kept_samples_are_exactly_the_informative_groups_in_collection_order():
         assert batch[S.PROMPT_IDS][j].tolist() == [0] * pad_p + src[S.PROMPT_IDS].tolist()
         assert batch[S.PROMPT_MASK][j].tolist() == [False] * pad_p + [True] * (width_p - pad_p)
     collected = 4 * f.rounds
+    n_flat = sum(len(flat_by_loop(td[S.SCORE].tolist(), td[S.GROUP_ID].tolist()))
+                 for td in rounds[:f.rounds])
     assert metrics == {"data/dropped_groups": collected - need,
-                       "data/extra_rounds": f.rounds - 1, "data/flat_groups_trained": 0}
+                       "data/extra_rounds": f.rounds - 1, "data/flat_groups_trained": 0,
+                       "data/flat_frac": n_flat / collected}
 
 
 def test_cap_tops_up_with_flat_groups():
@@ -89,7 +92,7 @@ def test_cap_tops_up_with_flat_groups():
     batch, metrics = f.result()
     assert batch.batch_size[0] == 4 and batch[S.GROUP_ID].tolist() == [0, 0, 1, 1]
     assert metrics == {"data/dropped_groups": 4, "data/extra_rounds": 2,
-                       "data/flat_groups_trained": 2}
+                       "data/flat_groups_trained": 2, "data/flat_frac": 1.0}
 
 
 # --- in a run: the tiny model, GRPO, a reward that is flat for some prompts --------------------

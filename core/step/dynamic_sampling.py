@@ -19,7 +19,7 @@ True
 False
 >>> batch, metrics = f.result()
 >>> batch[S.SCORE].tolist(), batch[S.GROUP_ID].tolist(), metrics
-([0.0, 1.0, 0.0, 2.0], [0, 0, 1, 1], {'data/dropped_groups': 2, 'data/extra_rounds': 1, 'data/flat_groups_trained': 0})
+([0.0, 1.0, 0.0, 2.0], [0, 0, 1, 1], {'data/dropped_groups': 2, 'data/extra_rounds': 1, 'data/flat_groups_trained': 0, 'data/flat_frac': 0.5})
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class GroupFilter:
         used_flat = _count_groups(topped)
         batch[S.GROUP_ID] = torch.unique(batch[S.GROUP_ID], return_inverse=True)[1]  # 0, 1, ...
         metrics = {"data/dropped_groups": self.n_kept + self.n_flat - _count_groups([batch]),
-                   "data/extra_rounds": self.rounds - 1, "data/flat_groups_trained": used_flat}
+                   "data/extra_rounds": self.rounds - 1, "data/flat_groups_trained": used_flat,
+                   "data/flat_frac": self.n_flat / max(1, self.n_kept + self.n_flat)}
         return batch, metrics
 
 
