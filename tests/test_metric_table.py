@@ -46,7 +46,8 @@ def logged(tmp_path_factory) -> set[str]:
     (tmp / "ptx.txt").write_text("The weather is nice today.\nA short story about a cat.\n")
     runs = {"gae": ["kl.in=loss", "ptx.coef=0.1", f"ptx.data={tmp / 'ptx.txt'}",
                     "ptx.batch_size=2", "loss.dual_clip=3.0"],
-            "grpo": ["advantage={name: grpo}"]}
+            "grpo": ["advantage={name: grpo}", "data.dynamic_sampling.enabled=true",
+                     "data.dynamic_sampling.max_rounds=1"]}
     names = set()
     for name, overrides in runs.items():
         cfg = tiny(tmp / name, "run.steps=1", "train.epochs=1", "log.samples_every=0", *overrides)

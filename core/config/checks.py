@@ -19,7 +19,8 @@ what needs several keys, or a plugin's signature, or the model's ``config.json``
   engine against a trainer forward, or take the engine's log-probs);
 - ``models.autocast`` and ``distributed.bf16`` are two ways to compute in bf16: one at a time;
 - ``eval.*`` settings without ``eval.prompts`` are a warning (nothing is evaluated);
-- an advantage that declares ``needs_groups`` (grpo, rloo) needs collector ``n >= 2``; ``kl.in``
+- an advantage that declares ``needs_groups`` (grpo, rloo), and ``data.dynamic_sampling``, need
+  collector ``n >= 2``; ``kl.in``
   and ``kl.estimator`` left null are chosen for the advantage, and the pairs that cannot
   regularise or that turn KL noise into signal are refused (`rlpipe.core.config.kl_placement`).
 """
@@ -249,6 +250,9 @@ def check_advantage(cfg) -> None:
     if registry.declared("advantages", plugin.obj, "needs_groups") and n < 2:
         raise UserError(f"collector.n: {label} compares the samples of each prompt, so it needs "
                         f"collector.n >= 2 (got {n}); with one sample per prompt it never updates")
+    if cfg.data.dynamic_sampling.enabled and n < 2:
+        raise UserError(f"data.dynamic_sampling drops the prompts whose samples all score the "
+                        f"same, so it needs collector.n >= 2 (got {n})")
     resolve_placement(cfg.kl, plugin.obj)
     advantage = _advantage_instance(plugin, cfg.advantage, label)
     if advantage is not None:

@@ -121,6 +121,14 @@ class ModelsConfig:
 
 
 @dataclass
+class DynamicSamplingConfig:
+    enabled: bool = opt(False, "DAPO's dynamic sampling: drop groups whose samples all scored "
+                               "the same and collect more prompts (collector n >= 2)")
+    max_rounds: int = num(4, ">= 0", "extra collection rounds per step at most; then the batch is "
+                                     "topped up with the newest flat groups")
+
+
+@dataclass
 class DataConfig:
     prompts: Path | str | None = opt(
         None, ".txt (a prompt a line), .jsonl, .json, .parquet, .csv, a save_to_disk folder or a "
@@ -131,6 +139,8 @@ class DataConfig:
     split: str = opt("train", "the split of a folder, DatasetDict or Hub dataset")
     prompt_key: str = opt("prompt", "the prompt column (strings, or chat messages); every other "
                                     "column travels with the samples")
+    dynamic_sampling: DynamicSamplingConfig = opt(
+        help="DAPO's filter: flat groups dropped, more prompts collected", factory=DynamicSamplingConfig)
 
 
 @dataclass

@@ -53,6 +53,7 @@ from rlpipe.core.base.ops import masked_mean
 from rlpipe.core.data.prompts import check_reward_columns
 from rlpipe.core.run.run_state import RunState
 from rlpipe.core.step.update import Updater
+from rlpipe.core.step.dynamic_sampling import GroupFilter
 
 S = schema
 _INPUTS = (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)
@@ -203,9 +204,9 @@ class Pipeline(RunState):
         batch[S.REWARD] = kl.shape_reward(batch[S.SCORE], kl_tok, mask, reward_coef)
         return kl_tok, coef, loss_coef
 
-    @oom.explains
-    def step(self) -> tuple[TensorDict, dict]:
-        """One PPO step; returns the batch and the step's metrics."""
+    def _rollout(self) -> tuple[TensorDict, float, float]:
+        """Stages 1-3 for one batch of prompts: the scored rollout of every rank, and the seconds
+        spent collecting and scoring."""
         t0 = time.perf_counter()
         # 1. collect: sample responses for this rank's share of a batch of prompts
         self.models.actor.eval()
@@ -226,7 +227,28 @@ class Pipeline(RunState):
         self.plugins.rewards(batch)
         t_score = time.perf_counter() - t0 - t_rollout
         self._check(batch, [S.OLD_LOG_PROB, S.REF_LOG_PROB, S.VALUE, S.SCORE], "rewards")
-        batch = self.dist.gather(batch)  # every rank now holds the whole scored rollout
+        return self.dist.gather(batch), t_rollout, t_score  # every rank: the whole rollout
+
+    def _filled_rollout(self) -> tuple[TensorDict, float, float, dict]:
+        """`_rollout`, with ``data.dynamic_sampling``: again until ``data.batch_size`` groups
+        have a reward signal (flat groups dropped; ``max_rounds`` extra rounds at most)."""
+        batch, t_rollout, t_score = self._rollout()
+        setting = self.cfg.data.dynamic_sampling
+        if not setting.enabled:
+            return batch, t_rollout, t_score, {}
+        groups = GroupFilter(self.cfg.data.batch_size, setting.max_rounds)
+        while groups.add(batch):
+            batch, more_rollout, more_score = self._rollout()
+            t_rollout, t_score = t_rollout + more_rollout, t_score + more_score
+        batch, metrics = groups.result()
+        return batch, t_rollout, t_score, metrics
+
+    @oom.explains
+    def step(self) -> tuple[TensorDict, dict]:
+        """One PPO step; returns the batch and the step's metrics."""
+        t0 = time.perf_counter()
+        # 1-3. collect, score, rewards (data.dynamic_sampling: more prompts for flat groups)
+        batch, t_rollout, t_score, sampling_metrics = self._filled_rollout()
         mask, engine_gap = batch[S.RESPONSE_MASK], self._engine_gap(batch)
         # 4. rollout correction: weights pi_old / pi_engine for the loss (tis, mis), rollout/*
         rollout_metrics = correction.apply(batch, self.cfg.rollout_correction)
@@ -255,6 +277,7 @@ class Pipeline(RunState):
             "reward/score": to_float(batch[S.SCORE]),
             **{f"reward/{k}": to_float(v) for k, v in batch[S.SCORE_PARTS].items()},
             "kl/ref": seq_kl, "kl/coef": coef, **engine_gap, **rollout_metrics, **update_metrics,
+            **sampling_metrics,
             "train/critic_only": int(warmup),
             **samples.step_stats(batch, kl_tok, self.ctx.max_new_tokens, self.models.critic is not None),
             "response/length": to_float(mask.sum(-1).float()),
