@@ -200,6 +200,7 @@ def test_a_final_folder_cut_by_an_older_rlpipe_is_rlpipes_own(tmp_path, referenc
 
 KILL_SCRIPT = """
 import os, sys
+from rlpipe.core.run import checkpoint
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.run.pipeline import Pipeline
