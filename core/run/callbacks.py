@@ -34,7 +34,6 @@ from rlpipe.core.observe import samples
 from rlpipe.core.observe.health import monitor_for
 from rlpipe.core.observe.metrics import MetricsWriter
 from rlpipe.core.run import preflight
-from rlpipe.core.step import kl
 from rlpipe.core.step.evaluation import Evaluator
 
 
@@ -152,9 +151,8 @@ class MetricsLog(Callback):
         every = pipe.cfg.log.samples_every
         if not every or step % every:
             return
-        k = pipe.cfg.kl
-        kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], k.estimator,
-                                 k.clamp) * batch[S.RESPONSE_MASK]
+        kl_tok = pipe.kl.per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB],
+                                   batch[S.RESPONSE_MASK])
         rows = samples.sample_rows(batch, kl_tok, pipe.cfg.log.samples)
         samples.write_samples(pipe.run_dir, step, rows)
         self.writer.log_samples(rows, step)

@@ -118,10 +118,9 @@ class Pipeline(RunState):
             self.evaluator = Evaluator(cfg, self.eval_data, sampler, self.plugins.rewards,
                                        self.dist, self.device, self.run_dir, self.models.compute,
                                        own_engine)
-        self.kl_ctl = (kl.AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
-                       if cfg.kl.target is not None else kl.FixedKLController(cfg.kl.coef))
+        self.kl = kl.KLPenalty(cfg.kl)  # estimator, clamp, placement, coefficient
         self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device,
-                               self.dist, self.truncation)
+                               self.dist, self.truncation, kl_penalty=self.kl)
         self.critic_warmup = CriticWarmup(cfg.train, self.models.critic is not None)
         self.step_count = 0
         self.stopped_by: str | None = None  # the health rule (health.stop_on) that stopped train()
@@ -192,17 +191,13 @@ class Pipeline(RunState):
         gap = (batch[S.ENGINE_LOG_PROB] - batch[S.OLD_LOG_PROB]).abs()
         return {"collector/logprob_gap": to_float(masked_mean(gap, batch[S.RESPONSE_MASK]))}
 
-    def _shape_reward(self, batch: TensorDict) -> tuple[torch.Tensor, float, float]:
-        """Write ``reward`` (stage 5); the per-token KL [B, R] (0 on padding), the KL
-        controller's coefficient, and the part of it that goes to the loss."""
-        mask, cfg = batch[S.RESPONSE_MASK], self.cfg.kl
-        kl_tok = kl.kl_per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], cfg.estimator,
-                                 cfg.clamp) * mask
-        guards.check_kl(batch, kl_tok, cfg.estimator)
-        coef = self.kl_ctl.value
-        reward_coef, loss_coef = kl.split_coef(cfg.in_, coef)
-        batch[S.REWARD] = kl.shape_reward(batch[S.SCORE], kl_tok, mask, reward_coef)
-        return kl_tok, coef, loss_coef
+    def _shape_reward(self, batch: TensorDict) -> torch.Tensor:
+        """Write ``reward`` (stage 5); return the per-token KL [B, R] (0 on padding)."""
+        mask = batch[S.RESPONSE_MASK]
+        kl_tok = self.kl.per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], mask)
+        guards.check_kl(batch, kl_tok, self.kl.estimator)
+        batch[S.REWARD] = self.kl.shape_reward(batch[S.SCORE], kl_tok, mask)
+        return kl_tok
 
     def _rollout(self) -> tuple[TensorDict, float, float]:
         """Stages 1-3 for one batch of prompts: the scored rollout of every rank, and the seconds
@@ -254,7 +249,8 @@ class Pipeline(RunState):
         rollout_metrics = correction.apply(batch, self.cfg.rollout_correction)
         # 5. KL shaping: score on the last valid token, -beta * KL on every token (kl.in: reward;
         #    with kl.in: loss beta goes to the loss in stage 7)
-        kl_tok, coef, loss_coef = self._shape_reward(batch)
+        coef, loss_coef = self.kl.coef, self.kl.loss_coef  # this step's, before the controller moves
+        kl_tok = self._shape_reward(batch)
         # 6. advantage and value targets
         advantage = self.plugins.advantage
         batch = guards.check_output(registry.call(advantage, batch), advantage,
@@ -269,7 +265,7 @@ class Pipeline(RunState):
         # 8. weight sync: push the updated actor to the generation engine
         registry.call(self.plugins.collector.sync_weights, self.models.actor)
         seq_kl = to_float(kl_tok.sum(-1).mean())
-        self.kl_ctl.update(seq_kl, batch.batch_size[0])
+        self.kl.update(seq_kl, batch.batch_size[0])
         self.step_count += 1
         # 9. metrics
         elapsed = time.perf_counter() - t0

@@ -23,7 +23,7 @@ from rlpipe.core.observe.metrics import keep_steps
 
 class RunState:
     """Checkpoint and resume methods of `Pipeline` (which sets ``cfg``, ``models``, ``dist``,
-    ``run_dir``, ``prompts``, ``updater``, ``kl_ctl``, ``plugins``, ``critic_warmup`` and
+    ``run_dir``, ``prompts``, ``updater``, ``kl``, ``plugins``, ``critic_warmup`` and
     ``step_count``)."""
 
     def _modules(self) -> dict:
@@ -40,7 +40,7 @@ class RunState:
             rng["cuda"] = torch.cuda.get_rng_state()   # this rank's device; a CPU tensor
         rngs = self.dist.gather_object(rng)
         return {"step": self.step_count, "updater": self.updater.state_dict(sharded),
-                "kl": self.kl_ctl.state_dict(), "rewards": self.plugins.rewards.state_dict(),
+                "kl": self.kl.state_dict(), "rewards": self.plugins.rewards.state_dict(),
                 "critic_warmup": self.critic_warmup.state_dict(),
                 "data": {"generator": p.generator.get_state(), "order": list(p.order),
                          "position": p.position},
@@ -50,7 +50,7 @@ class RunState:
         """The inverse of `state_dict`; ``state["sharded"]`` marks sharded optimizer states."""
         self.step_count = int(state["step"])
         self.updater.load_state_dict(state["updater"], bool(state.get("sharded", False)))
-        self.kl_ctl.load_state_dict(state["kl"])
+        self.kl.load_state_dict(state["kl"])
         self.plugins.rewards.load_state_dict(state["rewards"])
         self.critic_warmup.load_state_dict(state.get("critic_warmup", {}))
         data = state["data"]
@@ -142,13 +142,13 @@ class RunState:
         """`load_state_dict`, then the settings of this config where they differ from the saved
         one: a changed ``kl`` section restarts the KL coefficient, changed rewards keep only the
         score statistics, and the learning rates and weight decay always come from ``train``."""
-        fresh_kl, fresh_rewards = self.kl_ctl.state_dict(), self.plugins.rewards.state_dict()
+        fresh_kl, fresh_rewards = self.kl.state_dict(), self.plugins.rewards.state_dict()
         if any(k.startswith(("rewards.", "reward.")) for k in changes):
             state["rewards"] = {**fresh_rewards, **{k: v for k, v in state["rewards"].items()
                                                     if k.startswith("score_")}}
         self.load_state_dict(state)
         if any(k.startswith("kl.") for k in changes):
-            self.kl_ctl.load_state_dict(fresh_kl)
+            self.kl.load_state_dict(fresh_kl)
         self.updater.apply_learning_rates(self.cfg.train)
 
     def save_final(self) -> Path:

@@ -160,3 +160,62 @@ class AdaptiveKLController:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
+
+
+class KLPenalty:
+    """A run's KL penalty in one object: its estimator and clamp, where it acts (``kl.in``) and
+    its coefficient (fixed, or adaptive with ``kl.target``). The loop, the trainer and the samples
+    writer all use it, so each term has one implementation.
+
+    >>> from types import SimpleNamespace
+    >>> penalty = KLPenalty(SimpleNamespace(estimator="k2", clamp=None, in_="loss", coef=0.1,
+    ...                                     target=None, horizon=1))
+    >>> penalty.coef, penalty.reward_coef, penalty.loss_coef
+    (0.1, 0.0, 0.1)
+    >>> penalty.per_token(torch.tensor([[0.0, -1.0]]), torch.tensor([[-1.0, 5.0]]),
+    ...                   torch.tensor([[True, False]])).tolist()
+    [[0.5, 0.0]]
+    """
+
+    def __init__(self, settings):
+        self.estimator, self.clamp, self.where = settings.estimator, settings.clamp, settings.in_
+        self.controller = (AdaptiveKLController(settings.coef, settings.target, settings.horizon)
+                           if settings.target is not None else FixedKLController(settings.coef))
+
+    @property
+    def coef(self) -> float:
+        return self.controller.value
+
+    @property
+    def reward_coef(self) -> float:
+        return split_coef(self.where, self.coef)[0]
+
+    @property
+    def loss_coef(self) -> float:
+        return split_coef(self.where, self.coef)[1]
+
+    def per_token(self, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+        """[B, R] estimate of KL(pi || pi_ref) on valid tokens, 0 on padding."""
+        return kl_per_token(log_prob, ref_log_prob, self.estimator, self.clamp) * mask
+
+    def shape_reward(self, score: torch.Tensor, kl_tok: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+        """The token reward (`shape_reward`) with this step's reward coefficient."""
+        return shape_reward(score, kl_tok, mask, self.reward_coef)
+
+    def loss_term(self, log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor,
+                  coef, num_tokens) -> torch.Tensor:
+        """`loss_term` with this run's estimator and clamp."""
+        return loss_term(log_prob, ref_log_prob, mask, coef, num_tokens, self.estimator,
+                         self.clamp)
+
+    def update(self, seq_kl: float, n_samples: int) -> None:
+        """After a step: the controller sees the step's mean sequence KL."""
+        self.controller.update(seq_kl, n_samples)
+
+    def state_dict(self) -> dict:
+        return self.controller.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.controller.load_state_dict(state)

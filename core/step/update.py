@@ -38,9 +38,10 @@ class Updater:
     """Owns the optimizers and schedulers of actor and critic and runs the PPO update."""
 
     def __init__(self, cfg, models, loss, temperature: float, device: torch.device, dist=None,
-                 truncation=None):
+                 truncation=None, kl_penalty: kl.KLPenalty | None = None):
         t = cfg.train
-        self.contract = _checked_contract(cfg, models, loss)  # first: a mistake costs nothing
+        self.kl = kl_penalty or kl.KLPenalty(cfg.kl)  # the run's, shared with the loop
+        self.contract = _checked_contract(cfg, models, loss, self.kl)  # first: a mistake costs nothing
         self.cfg, self.models, self.loss = cfg, models, loss
         self.temperature, self.device, self.dist = temperature, device, dist or Dist()
         self.truncation = truncation  # score under the sampler's top-k/top-p (score_truncated)
@@ -100,10 +101,9 @@ class Updater:
         terms = guards.loss_terms(out, self.loss)
         if S.KL_COEF in micro.keys():  # kl.in: loss -- the KL penalty as a loss term
             if not need.kl_term:  # the documented default: the trainer adds the shared term
-                out["loss_kl"] = kl.loss_term(micro[S.LOG_PROB], micro[S.REF_LOG_PROB],
-                                              micro[S.RESPONSE_MASK], micro[S.KL_COEF][0],
-                                              micro[S.NUM_TOKENS][0], self.cfg.kl.estimator,
-                                              self.cfg.kl.clamp)
+                out["loss_kl"] = self.kl.loss_term(micro[S.LOG_PROB], micro[S.REF_LOG_PROB],
+                                                   micro[S.RESPONSE_MASK], micro[S.KL_COEF][0],
+                                                   micro[S.NUM_TOKENS][0])
             elif "loss_kl" not in terms:
                 raise UserError(f"{registry.label_of(self.loss)} declares kl_term but wrote no "
                                 f"loss_kl with kl.in: loss")
@@ -337,7 +337,7 @@ def _float64_sum_of_squares(grads: list) -> torch.Tensor:
 NORM_CHUNK = 1 << 16
 
 
-def _checked_contract(cfg, models, loss) -> LossContract:
+def _checked_contract(cfg, models, loss, penalty: kl.KLPenalty | None = None) -> LossContract:
     """The loss's contract, checked against the run before any step: ``train.target_kl`` needs
     a declared approx-KL metric, ``rollout_correction.mode`` tis/mis a loss that applies the
     weights, a critic a loss that trains it; a loss that adds the KL term itself is told the
@@ -355,5 +355,6 @@ def _checked_contract(cfg, models, loss) -> LossContract:
         raise UserError(f"advantage {cfg.advantage.name!r} needs a critic, but {who} declares "
                         f"values=False: nothing would train the critic")
     if declared.kl_term:
-        loss.set_kl_estimator(cfg.kl.estimator, cfg.kl.clamp)
+        penalty = penalty or kl.KLPenalty(cfg.kl)
+        loss.set_kl_estimator(penalty.estimator, penalty.clamp)
     return declared
