@@ -51,3 +51,14 @@ def test_the_scan_finds_a_function_level_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from rlpipe.core.base import errors\n")
     assert function_level_imports(bad) == ["2: rlpipe.core.base"]
+
+
+def test_the_package_map_in_design_md_names_every_module_of_each_layer():
+    rows = {line.split("`")[1].rstrip("/"): line
+            for line in (ROOT / "DESIGN.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| `") and line.split("`")[1].rstrip("/") in LAYERS}
+    assert sorted(rows) == sorted(LAYERS)
+    for layer in LAYERS:
+        modules = sorted(p.stem for p in (ROOT / "core" / layer).glob("*.py") if p.stem != "__init__")
+        missing = [m for m in modules if f"`{m}`" not in rows[layer]]
+        assert missing == [], f"DESIGN.md's package map lacks core/{layer}/{missing}"

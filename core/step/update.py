@@ -355,6 +355,6 @@ def _checked_contract(cfg, models, loss, penalty: kl.KLPenalty | None = None) ->
         raise UserError(f"advantage {cfg.advantage.name!r} needs a critic, but {who} declares "
                         f"values=False: nothing would train the critic")
     if declared.kl_term:
-        penalty = penalty or kl.KLPenalty(cfg.kl)
-        loss.set_kl_estimator(penalty.estimator, penalty.clamp)
+        source = penalty or cfg.kl  # the run's penalty, or its settings where none is given
+        loss.set_kl_estimator(source.estimator, source.clamp)
     return declared
