@@ -29,9 +29,8 @@ import torch
 from tensordict import TensorDictBase
 
 from rlpipe.core.step import kl
-from rlpipe.core.step.loss import LossContract
 from rlpipe.core.base.ops import masked_mean
-from rlpipe.plugins.losses.ppo import VALUE_KEYS, VALUE_METRICS, PolicyGradientLoss, check_args
+from rlpipe.plugins.losses.ppo import PolicyGradientLoss, PPOLoss, check_args
 
 
 def cispo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor,
@@ -75,14 +74,7 @@ class CISPOLoss(PolicyGradientLoss):
     """
 
     NAME = "cispo"
-    contract = LossContract(
-        entropy="grad", values=True, kl_term=True, approx_kl_metric="policy/approx_kl",
-        rollout_weights=True, critic_terms=("loss_critic",),
-        metrics={"policy/loss": "token", "policy/clipfrac": "token",
-                 "policy/clipfrac_lower": "token", "policy/approx_kl": "token",
-                 "policy/entropy": "token", **VALUE_METRICS})
-    out_keys = ["loss_objective", ("policy", "loss"), ("policy", "clipfrac"),
-                ("policy", "clipfrac_lower"), ("policy", "approx_kl"), *VALUE_KEYS]
+    contract, out_keys = PPOLoss.contract, PPOLoss.out_keys  # the same entries, token means all
 
     def __init__(self, *, clip_low: float | None = None, clip_high: float = 0.2,
                  log_ratio_clamp: float = 20.0, vf_coef: float = 0.5,
