@@ -402,6 +402,9 @@ def test_preflight_fails_on_a_stale_engine_and_passes_once_synced(tmp_path, toke
                                     f"data.prompts={prompts}", "data.batch_size=4",
                                     "collector.name=vllm", "rollout_correction.mode=mis",
                                     "rollout_correction.threshold=1.5",
+                                    # the stale engine masks most tokens, which the guard refuses
+                                    # by default; this test wants the step and its metrics
+                                    "rollout_correction.max_masked_frac=1.0",
                                     "collector.max_new_tokens=8", "collector.kv_cache_gb=0.25"])
     pipe = Pipeline(cfg, progress=False)
     try:
