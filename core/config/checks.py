@@ -17,6 +17,8 @@ what needs several keys, or a plugin's signature, or the model's ``config.json``
   ``collector.score_truncated: true`` (else every weight carries the truncation's bias);
   ``rollout_correction.old_log_prob: sampling`` needs mode none (the other modes measure the
   engine against a trainer forward, or take the engine's log-probs);
+- ``rollout.staleness: 1`` needs a ``rollout_correction.mode`` other than none (or
+  ``rollout.accept_uncorrected``), old log-probs recomputed, and no ``data.dynamic_sampling``;
 - ``models.autocast`` and ``distributed.bf16`` are two ways to compute in bf16: one at a time;
 - ``eval.*`` settings without ``eval.prompts`` are a warning (nothing is evaluated);
 - an advantage that declares ``needs_groups`` (grpo, rloo), and ``data.dynamic_sampling``, need
@@ -231,6 +233,7 @@ def check_rollout_correction(cfg) -> None:
         raise UserError(f"rollout_correction.old_log_prob: sampling needs rollout_correction.mode: "
                         f"none, got {mode} (which compares the engine with a trainer forward, or, "
                         f"bypass, takes the engine's own log-probs); use old_log_prob: auto")
+    check_staleness(cfg)
     sampling = collector_contract(cfg)
     top_k, top_p = sampling.top_k, sampling.top_p
     truncated = Truncation(top_k, top_p).active and sampling.temperature > 0
@@ -239,6 +242,26 @@ def check_rollout_correction(cfg) -> None:
                         f"engine's, which come from the top-k/top-p truncated distribution "
                         f"(collector.top_k={top_k}, collector.top_p={top_p}); set "
                         f"collector.score_truncated: true")
+
+
+def check_staleness(cfg) -> None:
+    """``rollout.staleness: 1`` trains on tokens of the policy before the last update: corrected
+    (tis, mis; bypass: PPO's ratio against the sampling policy), or ``accept_uncorrected``; the
+    old log-probs recomputed at the current weights; one collection per step."""
+    if not cfg.rollout.staleness:
+        return
+    section = cfg.rollout_correction
+    if section.mode == "none" and not cfg.rollout.accept_uncorrected:
+        raise UserError("rollout.staleness: 1 trains on tokens sampled before the last update, and "
+                        "rollout_correction.mode: none leaves that uncorrected; set mode: tis or "
+                        "mis, or rollout.accept_uncorrected: true")
+    if section.old_log_prob == "sampling":
+        raise UserError("rollout_correction.old_log_prob: sampling takes old log-probs from the "
+                        "sampling pass, one update behind under rollout.staleness: 1; use auto")
+    if cfg.data.dynamic_sampling.enabled:
+        raise UserError("data.dynamic_sampling collects again within a step, which "
+                        "rollout.staleness: 1 (one collection per step, a step ahead) does not "
+                        "do; use one of them")
 
 
 def check_advantage(cfg) -> None:

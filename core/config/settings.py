@@ -177,6 +177,17 @@ class KLConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """When each step's rollouts are sampled (rlpipe.core.run.offpolicy)."""
+    staleness: int = num(0, "in [0, 1]", "0: each step samples its batch, then updates on it; 1: "
+                                         "the next step's batch is sampled by the policy before "
+                                         "this step's update, while it runs (one-step "
+                                         "off-policy; rollout_correction corrects it)")
+    accept_uncorrected: bool = opt(False, "allow staleness 1 with rollout_correction.mode: none "
+                                          "(the stale tokens then get no importance weight)")
+
+
+@dataclass
 class RolloutCorrectionConfig:
     """Engine/trainer mismatch correction (rlpipe.core.step.rollout_correction). A section of its own,
     not loss arguments: it changes what the pipeline computes (bypass skips a forward) and any
@@ -318,6 +329,8 @@ class Config:
                              factory=lambda: PluginConfig("ppo"))
     reward: RewardSettings = opt(help="settings of the summed score", factory=RewardSettings)
     kl: KLConfig = opt(help="the KL penalty to the reference", factory=KLConfig)
+    rollout: RolloutConfig = opt(help="when rollouts are sampled (one-step off-policy)",
+                                 factory=RolloutConfig)
     rollout_correction: RolloutCorrectionConfig = opt(
         help="engine/trainer mismatch correction", factory=RolloutCorrectionConfig)
     train: TrainConfig = opt(help="the PPO update", factory=TrainConfig)

@@ -31,7 +31,7 @@ calls here and only here:
 >>> contract_of(Toy, {"num_samples": 4}, "toy").samples_per_prompt
 4
 >>> contract_of(object, {}, "bare")
-CollectorContract(samples_per_prompt=1, max_new_tokens=0, max_prompt_tokens=0, budget_args=('', ''), defaults=frozenset(), context_tokens=0, temperature=1.0, top_k=0, top_p=1.0, score_truncated=False, chat_template=False)
+CollectorContract(samples_per_prompt=1, max_new_tokens=0, max_prompt_tokens=0, budget_args=('', ''), defaults=frozenset(), context_tokens=0, temperature=1.0, top_k=0, top_p=1.0, score_truncated=False, chat_template=False, overlaps_update=False)
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ class CollectorContract:
     score_truncated: bool = False   # the trainer scores tokens under the same truncated
                                     # distribution (`rlpipe.core.base.truncation`)
     chat_template: bool = False     # the collector wraps text prompts in the chat template
+    overlaps_update: bool = False   # ``collect`` may run in a thread while the actor trains: the
+                                    # engine holds its own weights (``sync_weights`` alone
+                                    # changes them) and computes apart (``rollout.staleness: 1``)
 
     @property
     def truncation(self) -> Truncation | None:

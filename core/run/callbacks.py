@@ -95,6 +95,8 @@ class Evaluation(Callback):
     def on_step_end(self, pipe, batch, metrics: dict) -> None:
         step, cfg = metrics["step"], pipe.cfg
         if step == 0 or Evaluator.due(cfg.eval.every, step, cfg.run.steps):
+            if pipe.offpolicy is not None and not self.evaluator.own_engine:
+                pipe.offpolicy.settle()   # the training engine: the batch in flight, then a sync
             metrics.update(self.evaluator.run(step, pipe.models.actor))
 
 

@@ -31,6 +31,7 @@ from tensordict import TensorDict
 
 from rlpipe.core.run import build, checkpoint, oom, preflight
 from rlpipe.core.run.callbacks import Hooks, default_callbacks
+from rlpipe.core.run.offpolicy import OffPolicy
 from rlpipe.core.config import compose
 from rlpipe.core.observe import console, samples
 from rlpipe.core.contracts import guards, registry
@@ -102,6 +103,7 @@ class Pipeline(RunState):
         critic = self.models.critic
         self.values_from_rollout = ((cfg.rollout_correction.mode == "bypass" or self.old_from_sampling)
                                     and critic is not None and critic.shared and not self.dist.enabled
+                                    and not cfg.rollout.staleness   # hidden states a step behind
                                     and request_hidden(self.plugins.collector))
         self.data.use_tokenizer(self.models.tokenizer)
         check_reward_columns(self.plugins.rewards, self.data, "data.prompts")
@@ -122,6 +124,10 @@ class Pipeline(RunState):
         self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device,
                                self.dist, self.truncation, kl_penalty=self.kl)
         self.critic_warmup = CriticWarmup(cfg.train, self.models.critic is not None)
+        # rollout.staleness: 1: the next batch is sampled while a step updates (a thread where
+        # the collector's engine computes apart); its one weight sync is at the step's start
+        self.offpolicy = OffPolicy(self._prompt_rows, self._collect, self._sync_engine,
+                                   self.sampling.overlaps_update) if cfg.rollout.staleness else None
         self.step_count = 0
         self.stopped_by: str | None = None  # the health rule (health.stop_on) that stopped train()
 
@@ -133,7 +139,7 @@ class Pipeline(RunState):
         exact = (dtype == torch.float32 and not self.cfg.distributed.bf16   # float32 round-off
                  and self.models.autocast is None)
         if section.mode != "none" or section.old_log_prob == "recompute" or (
-                section.old_log_prob == "auto" and not exact):
+                section.old_log_prob == "auto" and not exact) or self.cfg.rollout.staleness:
             return False
         collector = self.plugins.collector
         if request_actor_log_prob(collector, self.temperature, self.truncation):
@@ -199,38 +205,57 @@ class Pipeline(RunState):
         batch[S.REWARD] = self.kl.shape_reward(batch[S.SCORE], kl_tok, mask)
         return kl_tok
 
-    def _rollout(self) -> tuple[TensorDict, float, float]:
-        """Stages 1-3 for one batch of prompts: the scored rollout of every rank, and the seconds
-        spent collecting and scoring."""
-        t0 = time.perf_counter()
-        # 1. collect: sample responses for this rank's share of a batch of prompts
+    def _prompt_rows(self) -> list[int]:
+        """This rank's share of the next batch of prompts."""
+        return self.dist.share(self.prompts.next_batch())
+
+    def _collect(self, rows: list[int]) -> TensorDict:
+        """Stage 1 for the prompts ``rows``: the collector's batch (`OffPolicy` runs it ahead)."""
         self.models.actor.eval()
-        rows = self.dist.share(self.prompts.next_batch())
         collector = self.plugins.collector  # plugin calls: an error names the plugin
         with self.models.compute():  # models.autocast (the HF collector runs the actor)
-            batch = guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
-                                        collector, required=self.collected_keys)
+            return guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
+                                       collector, required=self.collected_keys)
+
+    def _sync_engine(self) -> None:
+        """Stage 8: push the actor's weights to the generation engine."""
+        registry.call(self.plugins.collector.sync_weights, self.models.actor)
+
+    def _rollout(self, collected: tuple | None = None) -> tuple[TensorDict, float, float]:
+        """Stages 1-3 for one batch of prompts (``collected``: stage 1's batch, rows and seconds,
+        sampled ahead by `OffPolicy`): the scored rollout of every rank, and the seconds spent
+        collecting and scoring."""
+        t0 = time.perf_counter()
+        # 1. collect: sample responses for this rank's share of a batch of prompts
+        if collected is None:
+            rows = self._prompt_rows()
+            batch, seconds = self._collect(rows), 0.0
+        else:
+            batch, rows, seconds = collected
         batch = batch.to(self.device)
         self.data.attach(batch, rows)  # ("data", COLUMN) of each sample's prompt row
         self._check(batch, self.collected_keys, "collector")
-        correction.check_engine_log_prob(batch, self.cfg.rollout_correction.mode, collector)
-        t_rollout = time.perf_counter() - t0
+        correction.check_engine_log_prob(batch, self.cfg.rollout_correction.mode,
+                                         self.plugins.collector)
+        t1 = time.perf_counter()
+        t_rollout = seconds + t1 - t0
         # 2. log-probs of the sampling policy and the reference, values of the critic
         with self.models.compute():
             self._score_tokens(batch)
         # 3. rewards: every reward plugin, weighted and summed into the sequence score
         self.plugins.rewards(batch)
-        t_score = time.perf_counter() - t0 - t_rollout
+        t_score = time.perf_counter() - t1
         self._check(batch, [S.OLD_LOG_PROB, S.REF_LOG_PROB, S.VALUE, S.SCORE], "rewards")
         return self.dist.gather(batch), t_rollout, t_score  # every rank: the whole rollout
 
     def _filled_rollout(self) -> tuple[TensorDict, float, float, dict]:
         """`_rollout`, with ``data.dynamic_sampling``: again until ``data.batch_size`` groups
         have a reward signal (flat groups dropped; ``max_rounds`` extra rounds at most)."""
-        batch, t_rollout, t_score = self._rollout()
+        ahead = self.offpolicy  # rollout.staleness: 1: the batch sampled during the last step
+        batch, t_rollout, t_score = self._rollout(ahead.take() if ahead else None)
         setting = self.cfg.data.dynamic_sampling
         if not setting.enabled:
-            return batch, t_rollout, t_score, {}
+            return batch, t_rollout, t_score, ahead.metrics() if ahead else {}
         groups = GroupFilter(self.cfg.data.batch_size, setting.max_rounds)
         while groups.add(batch):
             batch, more_rollout, more_score = self._rollout()
@@ -262,8 +287,10 @@ class Pipeline(RunState):
         update_metrics = self.updater.update(batch, train_actor=not warmup, kl_coef=loss_coef)
         self.critic_warmup.observe(update_metrics)
         t_update = time.perf_counter() - t1
-        # 8. weight sync: push the updated actor to the generation engine
-        registry.call(self.plugins.collector.sync_weights, self.models.actor)
+        # 8. weight sync: push the updated actor to the generation engine (rollout.staleness:
+        #    1: at the next step's start, once the batch in flight has been sampled)
+        if self.offpolicy is None:
+            self._sync_engine()
         seq_kl = to_float(kl_tok.sum(-1).mean())
         self.kl.update(seq_kl, batch.batch_size[0])
         self.step_count += 1
@@ -312,6 +339,8 @@ class Pipeline(RunState):
                    f"run stopped after step {self.step_count} by {self.stopped_by}")
             print(f"{why}; checkpoint {checkpoint.latest(self.run_dir)} written, no final/; "
                   f"change the settings and continue with {option('resume')}", file=sys.stderr)
+        if self.offpolicy is not None:
+            self.offpolicy.close()  # a generation in flight ends before its engine stops
         close_collector(self.plugins.collector)  # e.g. stop a vLLM engine
         if self.evaluator is not None:
             close_collector(self.evaluator.collector)

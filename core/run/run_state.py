@@ -23,8 +23,8 @@ from rlpipe.core.observe.metrics import keep_steps
 
 class RunState:
     """Checkpoint and resume methods of `Pipeline` (which sets ``cfg``, ``models``, ``dist``,
-    ``run_dir``, ``prompts``, ``updater``, ``kl``, ``plugins``, ``critic_warmup`` and
-    ``step_count``)."""
+    ``run_dir``, ``prompts``, ``updater``, ``kl``, ``plugins``, ``critic_warmup``, ``offpolicy``
+    and ``step_count``)."""
 
     def _modules(self) -> dict:
         m = self.models
@@ -32,14 +32,17 @@ class RunState:
 
     def state_dict(self, sharded: bool = False) -> dict:
         """Everything but the weights: step, optimizers (``sharded``: each rank's DTensor shards),
-        schedulers, RNGs (one per rank), KL, reward statistics, data position. A collective under
-        FSDP: call it on every rank."""
+        schedulers, RNGs (one per rank), KL, reward statistics, data position, the batch in
+        flight (``rollout.staleness: 1``, one per rank). A collective under FSDP: call it on every
+        rank."""
         p = self.prompts
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state()   # this rank's device; a CPU tensor
         rngs = self.dist.gather_object(rng)
-        return {"step": self.step_count, "updater": self.updater.state_dict(sharded),
+        ahead = self.offpolicy   # rollout.staleness: 1: each rank's batch in flight
+        flights = {} if ahead is None else {"in_flight": self.dist.gather_object(ahead.state_dict())}
+        return {**flights, "step": self.step_count, "updater": self.updater.state_dict(sharded),
                 "kl": self.kl.state_dict(), "rewards": self.plugins.rewards.state_dict(),
                 "critic_warmup": self.critic_warmup.state_dict(),
                 "data": {"generator": p.generator.get_state(), "order": list(p.order),
@@ -56,6 +59,7 @@ class RunState:
         data = state["data"]
         self.prompts.generator.set_state(data["generator"])
         self.prompts.order, self.prompts.position = list(data["order"]), int(data["position"])
+        self._load_in_flight(state.get("in_flight", []))
         if len(state["rng"]) == self.dist.world:
             rng = state["rng"][self.dist.rank]
             torch.set_rng_state(rng["torch"])
@@ -68,6 +72,16 @@ class RunState:
                 print(f"warning: checkpoint written by {len(state['rng'])} process(es), resumed on "
                       f"{self.dist.world}: weights and optimizer resharded, sampling streams "
                       f"reseeded (not bit-identical to an uninterrupted run)", file=sys.stderr)
+
+    def _load_in_flight(self, flights: list) -> None:
+        """The batch a checkpoint of ``rollout.staleness: 1`` saved in flight, trained on next
+        (written by another number of processes: none, the next batch is sampled anew)."""
+        ahead = self.offpolicy
+        if ahead is not None:
+            ahead.load_state_dict(flights[self.dist.rank] if len(flights) == self.dist.world else {})
+        elif any(flights) and self.dist.is_main:
+            print("warning: the checkpoint holds a batch sampled ahead (rollout.staleness: 1); "
+                  "with rollout.staleness: 0 it is not trained on", file=sys.stderr)
 
     def _shards(self, state: dict) -> dict:
         """What a distributed checkpoint shards: trainable weights and optimizer states, taken

@@ -74,8 +74,9 @@ class VLLMCollector(Collector):
 
     @classmethod
     def contract(cls, **args) -> CollectorContract:
-        """The shared arguments' contract, with the engine's ``max_model_len`` as its context."""
-        return dataclasses.replace(super().contract(**args),
+        """The shared arguments' contract, with the engine's ``max_model_len`` as its context;
+        the engine runs in its own process, so sampling may overlap the update."""
+        return dataclasses.replace(super().contract(**args), overlaps_update=True,
                                    context_tokens=args.get("max_model_len") or 0)
 
     def __init__(self, ctx, *, max_new_tokens: Count = 64, temperature: Temperature = 1.0,
