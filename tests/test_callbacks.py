@@ -5,6 +5,7 @@ step still closes the writers."""
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.run.callbacks import Callback, Hooks, default_callbacks
 from rlpipe.core.run.pipeline import Pipeline, train
+from rlpipe.core.run.run_state import RunState
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 STEPS = ["run.steps=2", "checkpoint.every=1", "log.progress=false"]
@@ -40,6 +42,8 @@ def test_your_own_loop_with_the_default_callbacks_writes_what_train_writes(tmp_p
             batch, metrics = pipe.step()
             hooks.step_end(batch, {"step": pipe.step_count, **metrics})
     pipe.save_final()
+    declared = typing.get_type_hints(RunState)  # what checkpoint and resume read and write
+    assert all(isinstance(getattr(pipe, name), kind) for name, kind in declared.items()), declared
     own = tmp_path / "b"
     assert rows(own) == rows(by_train) and [r["step"] for r in rows(own)] == [1, 2]
     a, b = weights(by_train), weights(own)

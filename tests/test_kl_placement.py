@@ -112,8 +112,7 @@ def test_flat_rewards_leave_a_group_run_where_it_started(tmp_path, advantage):
                "run.steps=1", "train.epochs=1", "train.minibatches=1")
     cfg.kl.auto, cfg.kl.estimator = (), "k3"
     pipe = Pipeline(cfg, progress=False, rewards=[zero])
-    pipe.cfg.kl.estimator = "k1"
-    pipe.updater.loss.set_kl_estimator("k1", cfg.kl.clamp)
+    pipe.kl.estimator = "k1"  # the run's one penalty: the loop's, the trainer's and the loss's
     assert pipe.step()[1]["train/grad_norm"] > 1e-2
 
 

@@ -2,14 +2,16 @@
 term (kl.in: loss) and its pooled explained variance."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tensordict import TensorDict
 
 from rlpipe.core.base.errors import UserError
+from rlpipe.core.step.kl import KLPenalty
 from rlpipe.core.step.loss import add_parts, finish, micro_parts
-from rlpipe.core.base.schema import (ADVANTAGE, ENTROPY, KL_COEF, LOG_PROB, NUM_SEQS, NUM_TOKENS,
+from rlpipe.core.base.schema import (ADVANTAGE, ENTROPY, LOG_PROB, NUM_SEQS, NUM_TOKENS,
                                 OLD_LOG_PROB, REF_LOG_PROB, RESPONSE_MASK, VALUE, VALUE_PRED,
                                 VALUE_TARGET)
 from rlpipe.plugins.losses.ppo import AGG_MODES, PPOLoss
@@ -229,8 +231,9 @@ KL_FORMULAS = {"k1": lambda lp, ref: lp - ref, "k2": lambda lp, ref: 0.5 * (lp -
 
 @pytest.mark.parametrize("estimator", sorted(KL_FORMULAS))
 def test_kl_term_uses_the_configured_estimator_and_splits(estimator):
-    """With ``kl_coef`` in the micro-batch, loss_kl = coef * sum KL / num_tokens (the run's
-    estimator, float64 loop oracle); its micro-batch parts add up; without it, no loss_kl."""
+    """With the run's penalty handed over (kl.in: loss), loss_kl = coef * sum KL / num_tokens
+    (its estimator, float64 loop oracle); its micro-batch parts add up; without a penalty, or
+    with kl.in: reward, no loss_kl."""
     base = make_batch(seed=8, garbage=1e4)
     gen = torch.Generator().manual_seed(9)
     ref = base[OLD_LOG_PROB] + 0.5 * torch.randn(base[OLD_LOG_PROB].shape, generator=gen,
@@ -240,9 +243,13 @@ def test_kl_term_uses_the_configured_estimator_and_splits(estimator):
     expected = 0.3 * sum(KL_FORMULAS[estimator](base[LOG_PROB][b, t].item(), ref[b, t].item())
                          for b, t in mask.nonzero().tolist()) / n
     loss = PPOLoss()
-    loss.set_kl_estimator(estimator)
     assert "loss_kl" not in loss(base).keys()
-    base[KL_COEF] = torch.full((len(base),), 0.3, dtype=torch.float64)
+    settings = SimpleNamespace(estimator=estimator, clamp=None, in_="reward", coef=0.3,
+                               target=None, horizon=1)
+    loss.set_kl(KLPenalty(settings))
+    assert "loss_kl" not in loss(base).keys()
+    settings.in_ = "loss"
+    loss.set_kl(KLPenalty(settings))
     assert loss(base)["loss_kl"].item() == pytest.approx(expected, rel=1e-12)
     base[NUM_TOKENS] = torch.full((len(base),), n, dtype=torch.float64)
     parts = sum(loss(micro)["loss_kl"] for micro in base.split(3))

@@ -178,8 +178,9 @@ def test_split_pass_gives_the_joint_update_exactly(rollout, loss_args, kl_coef):
         loss.contract = dataclasses.replace(loss.contract, critic_terms=terms)
         cfg = copy.deepcopy(pipe.cfg)
         cfg.train.epochs, cfg.train.grad_accum = 2, 2
+        cfg.kl.in_, cfg.kl.coef = "loss", kl_coef
         metrics = Updater(cfg, models, loss, pipe.temperature, pipe.device,
-                          pipe.dist).update(batch.clone(), kl_coef=kl_coef)
+                          pipe.dist).update(batch.clone())
         weights = {f"{name}.{k}": v.detach().clone() for name in ("actor", "critic")
                    for k, v in getattr(models, name).named_parameters()}
         got[terms] = metrics, weights
@@ -233,7 +234,7 @@ class Bare(LossModule):
         self.ppo = PPOLoss()
 
     def forward(self, td):
-        return self.ppo(td.exclude(S.KL_COEF))
+        return self.ppo(td)  # never handed the penalty: no loss_kl of its own
 
 
 def test_default_kl_term_is_the_losss_own(tmp_path):
@@ -258,7 +259,7 @@ class NoKLTerm(PPOLoss):
 def test_a_declared_kl_term_must_be_written(rollout):
     pipe, batch = rollout
     with pytest.raises(UserError, match="declares kl_term but wrote no loss_kl"):
-        updater(pipe, NoKLTerm()).update(batch.clone(), kl_coef=0.1)
+        updater(pipe, NoKLTerm(), ("kl", "in_", "loss"), ("kl", "coef", 0.1)).update(batch.clone())
 
 
 def test_explained_var_does_not_depend_on_the_micro_batch_split(tmp_path):

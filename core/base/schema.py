@@ -48,7 +48,6 @@ ENTROPY = "entropy"              # [b, R] float: entropy of pi_theta(.|s_t) (gra
 VALUE_PRED = "value_pred"        # [b, R] float: current critic V(s_t) (grad)
 NUM_TOKENS = "num_tokens"        # [b] float: response tokens in the whole minibatch (all ranks)
 NUM_SEQS = "num_seqs"            # [b] float: non-empty sequences in the whole minibatch (all ranks)
-KL_COEF = "kl_coef"              # [b] float: the KL coefficient, with kl.in: loss only
 
 # Expected (ndim, dtype kind) per key, for `validate`.
 _SPEC = {
@@ -60,7 +59,7 @@ _SPEC = {
     SCORE: (1, "float"), REWARD: (2, "float"), ADVANTAGE: (2, "float"), VALUE_TARGET: (2, "float"),
     ROLLOUT_IS_WEIGHT: (2, "float"),
     LOG_PROB: (2, "float"), ENTROPY: (2, "float"), VALUE_PRED: (2, "float"),
-    NUM_TOKENS: (1, "float"), NUM_SEQS: (1, "float"), KL_COEF: (1, "float"),
+    NUM_TOKENS: (1, "float"), NUM_SEQS: (1, "float"),
 }
 _RESPONSE_SHAPED = {RESPONSE_MASK, ENGINE_LOG_PROB, ACTOR_LOG_PROB, OLD_LOG_PROB, REF_LOG_PROB, VALUE,
                     REWARD, ADVANTAGE, VALUE_TARGET, LOG_PROB, ENTROPY, VALUE_PRED, ROLLOUT_IS_WEIGHT}

@@ -241,7 +241,7 @@ DECLARED = {
     "collectors": {"contract": None, "close": None, "record_hidden": None,
                    "record_actor_log_prob": None, "sampling_view": None},
     # read through rlpipe.core.step.loss.contract_of: None means LossContract()'s defaults
-    "losses": {"contract": None, "set_kl_estimator": None},
+    "losses": {"contract": None, "set_kl": None},
     # dataset columns a reward reads (checked against the data before the first step)
     "rewards": {"columns": ()},
 }

@@ -19,12 +19,11 @@ lr-low       2           0.9       -           -
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from rlpipe.core.base.errors import UserError
-from rlpipe.core.observe.report import (PANELS, STYLES, _expand, _figure_class, _finite, _report_dir,
-                                _save, _series, _text, load_metrics)
+from rlpipe.core.observe.report import (PANELS, STYLES, _expand, _finite, _report_dir, _series,
+                                        _text, draw_panels, load_metrics)
 
 COLUMNS = ("reward/score", "kl/ref", "eval/score")  # the table's final values
 
@@ -73,21 +72,6 @@ def write_comparison(run_dirs: list[Path]) -> list[Path]:
     panels = [p for p in PANELS if any(_expand(p.left, rows) for _, rows in runs)]
     if not panels:
         raise UserError("rlpipe report: none of the plotted metrics were logged by these runs")
-    Figure = _figure_class()
-    import matplotlib
-
-    out, nrows = _report_dir(run_dirs[0]), math.ceil(len(panels) / 2)
-    with matplotlib.rc_context({"text.usetex": False}):
-        fig = Figure(figsize=(12, 3.8 * nrows), layout="constrained")
-        fig.suptitle(_text(" vs ".join(name for name, _ in runs)))
-        grid = fig.subplots(nrows, 2, squeeze=False).flat
-        for ax, panel in zip(grid, panels):
-            _draw(ax, runs, panel)
-        for ax in list(grid):
-            ax.set_visible(False)
-        paths = [_save(fig, out / "compare-overview.png")]
-        for panel in panels:
-            fig = Figure(figsize=(6.4, 4.0), layout="constrained")
-            _draw(fig.subplots(), runs, panel)
-            paths.append(_save(fig, out / f"compare-{panel.name}.png"))
-    return paths
+    return draw_panels(_report_dir(run_dirs[0]),
+                       " vs ".join(name for name, _ in runs), panels,
+                       lambda ax, panel: _draw(ax, runs, panel), prefix="compare-")

@@ -151,24 +151,9 @@ def write_report(run_dir: Path) -> list[Path]:
     panels = [p for p in PANELS if _expand(p.left, rows)]
     if not panels:
         raise UserError(f"{run_dir / 'metrics.jsonl'}: none of the plotted metrics were logged")
-    Figure = _figure_class()
-    import matplotlib
-
     out = _report_dir(run_dir)
-    nrows = math.ceil(len(panels) / 2)
-    with matplotlib.rc_context({"text.usetex": False}):  # whatever the user's matplotlibrc says
-        fig = Figure(figsize=(12, 3.4 * nrows), layout="constrained")
-        fig.suptitle(_text(f"{run_dir.name}: {len(rows)} steps"))
-        grid = fig.subplots(nrows, 2, squeeze=False).flat
-        for ax, panel in zip(grid, panels):
-            _draw(ax, rows, panel)
-        for ax in list(grid):                    # the empty cell of an odd panel count
-            ax.set_visible(False)
-        paths = [_save(fig, out / "overview.png")]
-        for panel in panels:
-            fig = Figure(figsize=(6.4, 3.6), layout="constrained")
-            _draw(fig.subplots(), rows, panel)
-            paths.append(_save(fig, out / f"{panel.name}.png"))
+    paths = draw_panels(out, f"{run_dir.name}: {len(rows)} steps", panels,
+                        lambda ax, panel: _draw(ax, rows, panel))
     page = first_vs_last(run_dir)
     if page is not None:
         try:
@@ -176,6 +161,29 @@ def write_report(run_dir: Path) -> list[Path]:
         except OSError as exc:
             raise UserError(f"cannot write {out / 'samples.md'}: {exc.strerror or exc}") from None
         paths.append(out / "samples.md")
+    return paths
+
+
+def draw_panels(out: Path, title: str, panels: list, draw, prefix: str = "") -> list[Path]:
+    """``{prefix}overview.png`` (every panel, two a row, under ``title``) and one
+    ``{prefix}<panel>.png`` per panel in ``out``, each axis drawn by ``draw(ax, panel)``."""
+    Figure = _figure_class()
+    import matplotlib
+
+    nrows = math.ceil(len(panels) / 2)
+    with matplotlib.rc_context({"text.usetex": False}):  # whatever the user's matplotlibrc says
+        fig = Figure(figsize=(12, 3.8 * nrows), layout="constrained")
+        fig.suptitle(_text(title))
+        grid = fig.subplots(nrows, 2, squeeze=False).flat
+        for ax, panel in zip(grid, panels):
+            draw(ax, panel)
+        for ax in list(grid):                    # the empty cell of an odd panel count
+            ax.set_visible(False)
+        paths = [_save(fig, out / f"{prefix}overview.png")]
+        for panel in panels:
+            fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+            draw(fig.subplots(), panel)
+            paths.append(_save(fig, out / f"{prefix}{panel.name}.png"))
     return paths
 
 

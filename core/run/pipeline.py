@@ -274,7 +274,7 @@ class Pipeline(RunState):
         rollout_metrics = correction.apply(batch, self.cfg.rollout_correction)
         # 5. KL shaping: score on the last valid token, -beta * KL on every token (kl.in: reward;
         #    with kl.in: loss beta goes to the loss in stage 7)
-        coef, loss_coef = self.kl.coef, self.kl.loss_coef  # this step's, before the controller moves
+        coef = self.kl.coef  # this step's, before the controller moves (after stage 7)
         kl_tok = self._shape_reward(batch)
         # 6. advantage and value targets
         advantage = self.plugins.advantage
@@ -284,7 +284,7 @@ class Pipeline(RunState):
         # 7. PPO epochs over minibatches (the critic alone during critic warm-up)
         t1 = time.perf_counter()
         warmup = self.critic_warmup.active(self.step_count)
-        update_metrics = self.updater.update(batch, train_actor=not warmup, kl_coef=loss_coef)
+        update_metrics = self.updater.update(batch, train_actor=not warmup)
         self.critic_warmup.observe(update_metrics)
         t_update = time.perf_counter() - t1
         # 8. weight sync: push the updated actor to the generation engine (rollout.staleness:

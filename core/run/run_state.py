@@ -19,12 +19,32 @@ from rlpipe.core.contracts import registry
 from rlpipe.core.config.compose import save_config
 from rlpipe.core.base.errors import UserError, option
 from rlpipe.core.observe.metrics import keep_steps
+from rlpipe.core.config.settings import Config
+from rlpipe.core.data.streams import PromptStream
+from rlpipe.core.models.critic_start import CriticWarmup
+from rlpipe.core.models.distributed import Dist
+from rlpipe.core.models.lm import Models
+from rlpipe.core.run.build import Plugins
+from rlpipe.core.run.offpolicy import OffPolicy
+from rlpipe.core.step.kl import KLPenalty
+from rlpipe.core.step.update import Updater
 
 
 class RunState:
-    """Checkpoint and resume methods of `Pipeline` (which sets ``cfg``, ``models``, ``dist``,
-    ``run_dir``, ``prompts``, ``updater``, ``kl``, ``plugins``, ``critic_warmup``, ``offpolicy``
-    and ``step_count``)."""
+    """Checkpoint and resume methods of `Pipeline`: what they read and write is declared below,
+    and `Pipeline.__init__` sets every one of them (``tests/test_callbacks.py`` checks)."""
+
+    cfg: Config
+    dist: Dist
+    run_dir: Path
+    models: Models
+    plugins: Plugins
+    prompts: PromptStream
+    updater: Updater
+    kl: KLPenalty
+    critic_warmup: CriticWarmup
+    offpolicy: OffPolicy | None    # rollout.staleness: 1: the batch in flight
+    step_count: int
 
     def _modules(self) -> dict:
         m = self.models

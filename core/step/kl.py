@@ -205,10 +205,13 @@ class KLPenalty:
         return shape_reward(score, kl_tok, mask, self.reward_coef)
 
     def loss_term(self, log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor,
-                  coef, num_tokens) -> torch.Tensor:
-        """`loss_term` with this run's estimator and clamp."""
-        return loss_term(log_prob, ref_log_prob, mask, coef, num_tokens, self.estimator,
-                         self.clamp)
+                  num_tokens) -> torch.Tensor | None:
+        """`loss_term` with this run's estimator, clamp and loss coefficient; None when the
+        penalty acts in the reward (``kl.in: reward``) or its coefficient is 0."""
+        if not self.loss_coef:
+            return None
+        return loss_term(log_prob, ref_log_prob, mask, self.loss_coef, num_tokens,
+                         self.estimator, self.clamp)
 
     def update(self, seq_kl: float, n_samples: int) -> None:
         """After a step: the controller sees the step's mean sequence KL."""

@@ -58,10 +58,10 @@ class LossContract:
     - ``values``: the loss trains the critic from ``value_pred`` (the current critic's values,
       differentiable), which the trainer writes whenever the run has a critic (default True).
       False with a critic is an error: nothing would train it.
-    - ``kl_term``: with ``kl.in: loss`` the loss adds ``loss_kl`` itself when the micro-batch
-      carries ``kl_coef`` (`PipelineLoss.kl_penalty`); the trainer first calls
-      ``set_kl_estimator(kl.estimator, kl.clamp)``. Default False: the trainer adds
-      `kl.loss_term` itself.
+    - ``kl_term``: with ``kl.in: loss`` the loss adds ``loss_kl`` itself
+      (`PipelineLoss.kl_penalty`); the trainer first hands it the run's penalty with
+      ``set_kl(penalty)`` (a `rlpipe.core.step.kl.KLPenalty`: estimator, clamp, placement and
+      this step's coefficient). Default False: the trainer adds the same term itself.
     - ``approx_kl_metric``: the metric (``"group/name"``) that ``train.target_kl`` compares with;
       default None, and ``train.target_kl`` is then an error.
     - ``metrics``: metric name -> reduction (module docstring); undeclared metrics are "token".
@@ -118,9 +118,9 @@ def contract_of(loss) -> LossContract:
     if not isinstance(contract, LossContract):
         raise UserError(f"{registry.label_of(loss)}: contract must be a "
                         f"rlpipe.core.step.loss.LossContract, got {type(contract).__name__}")
-    if contract.kl_term and not callable(registry.declared("losses", loss, "set_kl_estimator")):
-        raise UserError(f"{registry.label_of(loss)} declares kl_term but has no "
-                        f"set_kl_estimator(name, clamp) (subclass rlpipe.core.step.loss.PipelineLoss)")
+    if contract.kl_term and not callable(registry.declared("losses", loss, "set_kl")):
+        raise UserError(f"{registry.label_of(loss)} declares kl_term but has no set_kl(penalty) "
+                        f"(subclass rlpipe.core.step.loss.PipelineLoss)")
     return contract
 
 
@@ -224,18 +224,20 @@ def exceeds(parts: list[float], reduction: str, limit: float) -> bool:
 
 class PipelineLoss(LossModule):
     """Optional base class of rlpipe losses: the `LossContract` defaults, and `kl_penalty`, the
-    ``kl.in: loss`` term with the run's estimator (`rlpipe.core.step.kl`). A subclass whose forward
-    adds ``loss_kl = self.kl_penalty(td)`` declares ``kl_term=True``.
+    ``kl.in: loss`` term of the run's `rlpipe.core.step.kl.KLPenalty`, which the trainer hands
+    over with `set_kl`. A subclass whose forward adds ``loss_kl = self.kl_penalty(td)``
+    declares ``kl_term=True``.
 
+    >>> from types import SimpleNamespace
     >>> loss = PipelineLoss()
-    >>> loss.set_kl_estimator("k3", clamp=10.0)
-    >>> loss.kl_estimator, loss.kl_clamp, loss.contract.kl_term
-    ('k3', 10.0, False)
+    >>> loss.set_kl(kl.KLPenalty(SimpleNamespace(estimator="k3", clamp=10.0, in_="loss",
+    ...                                          coef=0.1, target=None, horizon=1)))
+    >>> loss.kl.estimator, loss.kl.loss_coef, loss.contract.kl_term
+    ('k3', 0.1, False)
     """
 
     contract = LossContract()
-    kl_estimator = "k1"
-    kl_clamp = None
+    kl: kl.KLPenalty | None = None
 
     @dataclass
     class _AcceptedKeys:
@@ -243,25 +245,19 @@ class PipelineLoss(LossModule):
         ref_log_prob: NestedKey = schema.REF_LOG_PROB
         response_mask: NestedKey = schema.RESPONSE_MASK
         num_tokens: NestedKey = schema.NUM_TOKENS
-        kl_coef: NestedKey = schema.KL_COEF
 
     default_keys = _AcceptedKeys
 
-    def set_kl_estimator(self, name: str, clamp: float | None = None) -> None:
-        """Use estimator ``name`` (``kl.estimator``: k1, k2, k3) and the log-ratio bound
-        ``clamp`` (``kl.clamp``) in `kl_penalty`."""
-        if name not in kl.ESTIMATORS:
-            raise UserError(f"unknown KL estimator {name!r}; choose one of "
-                            f"{', '.join(kl.ESTIMATORS)}")
-        self.kl_estimator, self.kl_clamp = name, clamp
+    def set_kl(self, penalty: kl.KLPenalty) -> None:
+        """Use the run's KL penalty in `kl_penalty` (the trainer calls this once, at build)."""
+        self.kl = penalty
 
     def kl_penalty(self, td: TensorDictBase) -> torch.Tensor | None:
-        """`kl.loss_term` of the micro-batch when it carries ``kl_coef``, else None."""
-        keys = self.tensor_keys
-        coef = td.get(keys.kl_coef, None)
-        if coef is None:
+        """The penalty's loss term on this micro-batch; None without one, with ``kl.in:
+        reward`` or a coefficient of 0."""
+        if self.kl is None:
             return None
+        keys = self.tensor_keys
         mask = td.get(keys.response_mask)
-        return kl.loss_term(td.get(keys.log_prob), td.get(keys.ref_log_prob), mask,
-                            coef.reshape(-1)[0], global_count(td, keys.num_tokens, mask.sum()),
-                            self.kl_estimator, self.kl_clamp)
+        return self.kl.loss_term(td.get(keys.log_prob), td.get(keys.ref_log_prob), mask,
+                                 global_count(td, keys.num_tokens, mask.sum()))

@@ -99,11 +99,10 @@ class Updater:
         need = self.contract
         out = registry.call(self.loss, micro)  # an error in the plugin names it
         terms = guards.loss_terms(out, self.loss)
-        if S.KL_COEF in micro.keys():  # kl.in: loss -- the KL penalty as a loss term
+        if self.kl.loss_coef:  # kl.in: loss -- the KL penalty as a loss term
             if not need.kl_term:  # the documented default: the trainer adds the shared term
                 out["loss_kl"] = self.kl.loss_term(micro[S.LOG_PROB], micro[S.REF_LOG_PROB],
-                                                   micro[S.RESPONSE_MASK], micro[S.KL_COEF][0],
-                                                   micro[S.NUM_TOKENS][0])
+                                                   micro[S.RESPONSE_MASK], micro[S.NUM_TOKENS][0])
             elif "loss_kl" not in terms:
                 raise UserError(f"{registry.label_of(self.loss)} declares kl_term but wrote no "
                                 f"loss_kl with kl.in: loss")
@@ -150,7 +149,7 @@ class Updater:
                             f"train.grad_accum = {world * t.grad_accum} samples")
         return torch.randperm(size, generator=self.shuffle).split(mb_size)
 
-    def _minibatch(self, mb: TensorDict, kl_coef: float, train_actor: bool) -> tuple[dict, dict]:
+    def _minibatch(self, mb: TensorDict, train_actor: bool) -> tuple[dict, dict]:
         """Forward/backward this rank's slice of one minibatch in ``grad_accum`` micro-batches.
         Returns the summed ``loss_*`` entries and the summed parts of the other metrics
         (`rlpipe.core.step.loss.micro_parts`)."""
@@ -159,8 +158,6 @@ class Updater:
         # global counts / world: FSDP averages the ranks' gradients, we want their sum
         mb[S.NUM_TOKENS] = (mb[S.RESPONSE_MASK].sum().float() / d.world).expand(n)
         mb[S.NUM_SEQS] = (mb[S.RESPONSE_MASK].any(-1).sum().float() / d.world).expand(n)
-        if kl_coef:
-            mb[S.KL_COEF] = torch.full((n,), kl_coef, device=self.device)
         local = mb[d.rank::d.world]
         if t.grad_accum > 1 and S.GROUP_ID in local.keys():  # a prompt's samples in the same
             # micro-batches share its tokens (core/models/prefix.py); the minibatch's sum is the same
@@ -187,7 +184,7 @@ class Updater:
             losses["policy/ptx_loss"] = float(ptx_loss)
         return losses, parts
 
-    def _epochs(self, batch: TensorDict, train_actor: bool, kl_coef: float):
+    def _epochs(self, batch: TensorDict, train_actor: bool):
         """The epoch x minibatch loop. Returns the stepped minibatches' summed ``loss_*`` outputs
         and metric parts, the optimizer steps done, the minibatches skipped, and whether
         ``target_kl`` stopped the loop (on the loss's declared approx-KL metric)."""
@@ -197,8 +194,7 @@ class Updater:
         done, skipped = 0, 0
         for _ in range(t.epochs):
             for idx in self._minibatches(batch.batch_size[0]):
-                mb_losses, mb_parts = self._minibatch(batch[idx.to(self.device)], kl_coef,
-                                                     train_actor)
+                mb_losses, mb_parts = self._minibatch(batch[idx.to(self.device)], train_actor)
                 agreed = self._rank_mean({"loss": [mb_losses["loss_total"]],
                                           **self._kl_parts(mb_parts)})
                 if self._optimizer_step(train_actor, agreed["loss"][0]):
@@ -229,9 +225,9 @@ class Updater:
         flat = self.dist.mean({f"{k}[{i}]": x for k, v in parts.items() for i, x in enumerate(v)})
         return {k: [flat[f"{k}[{i}]"] for i in range(len(v))] for k, v in parts.items()}
 
-    def update(self, batch: TensorDict, train_actor: bool = True, kl_coef: float = 0.0) -> dict:
+    def update(self, batch: TensorDict, train_actor: bool = True) -> dict:
         """Run the PPO epochs on ``batch`` (the global rollout; each rank trains on its slice of
-        every minibatch). ``kl_coef`` > 0 (``kl.in: loss``) adds the KL term to the loss. Returns
+        every minibatch). With ``kl.in: loss`` the run's `KLPenalty` adds its term to the loss. Returns
         ``loss/*`` averaged over minibatches and the loss module's other metrics reduced as its
         contract declares (token- or sequence-weighted over all micro-batches and ranks, or
         pooled), so that neither depends on how the batch is split. Skipped (non-finite)
@@ -239,7 +235,7 @@ class Updater:
         ``train/critic_grad_norm``: the mean pre-clip gradient norms of the optimizer steps."""
         self.grad_norms = {}
         with checkpointing(self.models.actor, self.models.critic):  # no-op unless enabled
-            losses, parts, done, skipped, stopped = self._epochs(batch, train_actor, kl_coef)
+            losses, parts, done, skipped, stopped = self._epochs(batch, train_actor)
         losses, parts = self.dist.mean(losses), self._rank_mean(parts)
         metrics = {(f"loss/{k[5:]}" if k.startswith("loss_") else k): v / max(done, 1)
                    for k, v in losses.items()}
@@ -337,11 +333,11 @@ def _float64_sum_of_squares(grads: list) -> torch.Tensor:
 NORM_CHUNK = 1 << 16
 
 
-def _checked_contract(cfg, models, loss, penalty: kl.KLPenalty | None = None) -> LossContract:
+def _checked_contract(cfg, models, loss, penalty: kl.KLPenalty) -> LossContract:
     """The loss's contract, checked against the run before any step: ``train.target_kl`` needs
     a declared approx-KL metric, ``rollout_correction.mode`` tis/mis a loss that applies the
-    weights, a critic a loss that trains it; a loss that adds the KL term itself is told the
-    estimator."""
+    weights, a critic a loss that trains it; a loss that adds the KL term itself is handed the
+    run's `KLPenalty`."""
     declared = contract_of(loss)
     who = registry.label_of(loss)
     if cfg.train.target_kl is not None and declared.approx_kl_metric is None:
@@ -355,6 +351,5 @@ def _checked_contract(cfg, models, loss, penalty: kl.KLPenalty | None = None) ->
         raise UserError(f"advantage {cfg.advantage.name!r} needs a critic, but {who} declares "
                         f"values=False: nothing would train the critic")
     if declared.kl_term:
-        source = penalty or cfg.kl  # the run's penalty, or its settings where none is given
-        loss.set_kl_estimator(source.estimator, source.clamp)
+        loss.set_kl(penalty)
     return declared

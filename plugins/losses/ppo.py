@@ -176,7 +176,7 @@ class PolicyGradientLoss(PipelineLoss):
     @property
     def in_keys(self) -> list[NestedKey]:
         """Every key the loss reads; ``entropy``, ``value_pred``, ``value``, ``ref_log_prob``,
-        ``kl_coef``, ``rollout_is_weight`` and the counts are optional."""
+        ``rollout_is_weight`` and the counts are optional."""
         return list(vars(self.tensor_keys).values())
 
     def policy_objective(self, td: TensorDictBase, mask: torch.Tensor, agg, weight):
@@ -229,8 +229,8 @@ VALUE_KEYS = ["loss_critic", "loss_entropy", "loss_kl", ("policy", "entropy"), (
 class PPOLoss(PolicyGradientLoss):
     """PPO loss over a micro-batch (see the module docstring). Emits ``loss_objective``,
     ``loss_critic`` (when ``value_pred`` is present, times ``vf_coef``), ``loss_entropy`` (when
-    ``entropy`` is present and ``entropy_coef > 0``), ``loss_kl`` (when the micro-batch carries
-    ``kl_coef``) and detached metrics under ``policy`` and ``value``: each a masked token mean
+    ``entropy`` is present and ``entropy_coef > 0``), ``loss_kl`` (with ``kl.in: loss``: the run's
+    penalty, `PipelineLoss.kl_penalty`) and detached metrics under ``policy`` and ``value``: each a masked token mean
     over this micro-batch, except ``explained_var`` (``1 - Var(target - pred) / Var(target)``
     over its valid tokens; its sums, under ``explained_var_sums``, let the trainer pool it over
     micro-batches and processes). ``approx_kl`` is the k2 estimator ``(log_ratio)^2 / 2`` of
