@@ -45,7 +45,8 @@ def logged(tmp_path_factory) -> set[str]:
     tmp = tmp_path_factory.mktemp("table")
     (tmp / "ptx.txt").write_text("The weather is nice today.\nA short story about a cat.\n")
     runs = {"gae": ["kl.in=loss", "ptx.coef=0.1", f"ptx.data={tmp / 'ptx.txt'}",
-                    "ptx.batch_size=2", "loss.dual_clip=3.0"],
+                    "ptx.batch_size=2", "loss.dual_clip=3.0", "rollout.staleness=1",
+                    "rollout_correction.mode=tis"],
             "grpo": ["advantage={name: grpo}", "data.dynamic_sampling.enabled=true",
                      "data.dynamic_sampling.max_rounds=1"]}
     names = set()

@@ -514,3 +514,76 @@ def test_two_processes_each_with_its_engine_follow_the_sharded_actor(tmp_path, t
     assert [m["step"] for m in metrics if "eval/score" in m] == [0, 1, 2]
     answers = [json.loads(x) for x in (run_dir / "samples" / "eval-step-2.jsonl").read_text().splitlines()]
     assert sorted(a["prompt"] for a in answers) == sorted(PROMPTS)  # both ranks' shares, once each
+
+
+def test_one_step_off_policy_samples_ahead_in_a_thread_against_the_right_policies(
+        tmp_path, tokenizer, monkeypatch):
+    """``rollout.staleness: 1`` on the vLLM collector (its engine in its own process): the next
+    batch is sampled in a thread while the step updates, the weights are never pushed while a
+    generation is in flight, the engine's log-probs of step t's batch are the actor's before
+    step t-1's update and its old log-probs the current actor's; evaluation on the training
+    engine waits for the batch in flight and pushes the weights (then the step's own push is
+    skipped: one push per update, plus step 0's)."""
+    need_vllm()
+    import threading
+
+    from rlpipe.core.run.callbacks import Callback
+    from rlpipe.core.run.pipeline import Pipeline
+
+    busy, off_main, syncs = [], [], []
+    generate, sync = VLLMCollector.generate, VLLMCollector.sync_weights
+
+    def tracked_generate(self, *args, **kwargs):
+        busy.append(1)
+        off_main.append(threading.current_thread() is not threading.main_thread())
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            busy.pop()
+
+    def tracked_sync(self, model):
+        assert not busy, "weights pushed while a generation was in flight"
+        syncs.append(1)
+        return sync(self, model)
+
+    monkeypatch.setattr(VLLMCollector, "generate", tracked_generate)
+    monkeypatch.setattr(VLLMCollector, "sync_weights", tracked_sync)
+
+    class Record(Callback):
+        batches, weights = {}, {}
+
+        def on_step_end(self, pipe, batch, metrics):
+            step = metrics["step"]
+            self.weights[step] = copy.deepcopy(pipe.models.actor.state_dict())
+            if batch is not None:
+                self.batches[step] = batch.clone()
+
+    model_dir, prompts = write_assets(tmp_path, tokenizer)
+    pipe = Pipeline(load_config(TINY_CONFIG, [
+        f"run.output_dir={tmp_path / 'run'}", "run.steps=3", f"models.actor.path={model_dir}",
+        "models.actor.init=pretrained", f"data.prompts={prompts}", "data.batch_size=4",
+        "collector.name=vllm", "collector.max_new_tokens=8", "collector.kv_cache_gb=0.25",
+        "rollout.staleness=1", "rollout_correction.mode=tis", "rollout_correction.threshold=100",
+        "train.lr=0.01", f"eval.prompts={prompts}", "eval.every=1", "eval.temperature=1.0"]),
+        progress=False)
+    record = Record()
+    pipe.train([record])
+    assert any(off_main), "no batch was sampled in a thread"
+    assert len(syncs) == 4
+    for step in (2, 3):
+        batch = record.batches[step]
+        mask, inputs = batch[schema.RESPONSE_MASK], [batch[k] for k in KEYS[:4]]
+        at = {}
+        for name, weights in (("sampler", record.weights[step - 2]),
+                              ("current", record.weights[step - 1])):
+            model = copy.deepcopy(pipe.models.actor)
+            model.load_state_dict(weights)
+            with torch.no_grad():
+                at[name] = response_logprobs(model, *inputs, 1.0)[0]
+        engine, old = batch[schema.ENGINE_LOG_PROB], batch[schema.OLD_LOG_PROB]
+        assert (engine - at["sampler"])[mask].abs().max() < 1e-4
+        assert (old - at["current"])[mask].abs().max() < 1e-4
+        assert (engine - at["current"])[mask].abs().max() > 1e-3   # one update behind
+        weight = batch[schema.ROLLOUT_IS_WEIGHT]                   # threshold 100: unclipped
+        oracle = torch.exp(old.double() - engine.double())
+        torch.testing.assert_close(weight[mask].double(), oracle[mask], rtol=1e-6, atol=0)

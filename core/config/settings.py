@@ -180,9 +180,9 @@ class KLConfig:
 class RolloutConfig:
     """When each step's rollouts are sampled (rlpipe.core.run.offpolicy)."""
     staleness: int = num(0, "in [0, 1]", "0: each step samples its batch, then updates on it; 1: "
-                                         "the next step's batch is sampled by the policy before "
-                                         "this step's update, while it runs (one-step "
-                                         "off-policy; rollout_correction corrects it)")
+                                         "the next batch is sampled while this step updates, by "
+                                         "the policy before the update (one-step off-policy, "
+                                         "corrected by rollout_correction)")
     accept_uncorrected: bool = opt(False, "allow staleness 1 with rollout_correction.mode: none "
                                           "(the stale tokens then get no importance weight)")
 

@@ -61,7 +61,8 @@ class RunState:
             rng["cuda"] = torch.cuda.get_rng_state()   # this rank's device; a CPU tensor
         rngs = self.dist.gather_object(rng)
         ahead = self.offpolicy   # rollout.staleness: 1: each rank's batch in flight
-        flights = {} if ahead is None else {"in_flight": self.dist.gather_object(ahead.state_dict())}
+        flights = {} if ahead is None else {
+            "in_flight": self.dist.gather_object(ahead.state_dict())}
         return {**flights, "step": self.step_count, "updater": self.updater.state_dict(sharded),
                 "kl": self.kl.state_dict(), "rewards": self.plugins.rewards.state_dict(),
                 "critic_warmup": self.critic_warmup.state_dict(),

@@ -1,0 +1,132 @@
+"""Wall time per PPO step at ``rollout.staleness: 1`` against 0 on the tiny example (HF generate,
+CPU), the phase times, and the speed-up that overlapping generation with the update can give.
+
+    python benchmarks/offpolicy.py [--reps 6] [--threads N] [--phases G,S,U]
+
+Three pipelines from the tiny example's config (``rollout_correction.mode: tis`` in all three),
+stepped in turn, rotating which goes first, after one warm-up step each:
+
+- ``sync``: staleness 0, today's loop (collect, score, update, sync);
+- ``ahead``: staleness 1 with the ``hf`` collector: the next batch is sampled at once, on the main
+  thread (the engine is the actor; rlpipe's behaviour), so nothing overlaps;
+- ``thread``: staleness 1 with ``hf`` sampling from its own copy of the actor (synced once per
+  step) in a thread while the main thread scores and updates: what a thread can overlap when both
+  compete for the same CPU cores (``--threads 1``: one torch thread each, so that on 2 cores
+  each can have one).
+
+The model: where generation (g) and the trainer's work (scoring s + update u) run on separate
+resources, a step takes max(g, s + u) instead of g + s + u; ``(g + u) / max(g, u)`` is the bound
+verl and AReaL quote. ``--phases G,S,U`` evaluates it for other measured phase times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from common import ROOT, default_json, machine, print_header, workdir, write_json
+from rlpipe.core.config.settings import load_config
+from rlpipe.core.run.pipeline import Pipeline
+from rlpipe.plugins.collectors.hf import HFCollector
+
+TINY = ROOT / "examples" / "tiny" / "config.yaml"
+THREADS = [torch.get_num_threads()]   # --threads: intra-op threads of each calling thread
+PHASES = ("time/rollout_s", "time/score_s", "time/update_s", "time/rollout_wait_s")
+
+
+class SnapshotHF(HFCollector):
+    """``hf`` on its own copy of the actor, which only `sync_weights` changes: it can sample
+    while the actor trains, so it declares ``overlaps_update``."""
+
+    @classmethod
+    def contract(cls, **args):
+        return dataclasses.replace(super().contract(**args), overlaps_update=True)
+
+    @functools.wraps(HFCollector.__init__)
+    def __init__(self, ctx, **args):
+        super().__init__(ctx, **args)
+        self.model = copy.deepcopy(ctx.actor)
+
+    def sync_weights(self, model):
+        self.model.load_state_dict(model.state_dict())
+
+    def collect(self, prompts):
+        torch.set_num_threads(THREADS[0])   # torch's thread count is per calling thread
+        return super().collect(prompts)
+
+
+def model(g: float, s: float, u: float) -> dict:
+    """Step time sequential vs overlapped, for generation g, scoring s, update u (seconds)."""
+    return {"sequential_s": g + s + u, "overlapped_s": max(g, s + u),
+            "speedup": (g + s + u) / max(g, s + u), "speedup_g_u": (g + u) / max(g, u)}
+
+
+def build(folder: Path, variant: str) -> Pipeline:
+    overrides = [f"run.output_dir={folder / variant}", "run.steps=1000",
+                 "rollout_correction.mode=tis", "log.progress=false", "health.enabled=false",
+                 f"rollout.staleness={int(variant != 'sync')}"]
+    stages = {}
+    if variant == "thread":
+        cfg = load_config(TINY).collector
+        stages["collector"] = functools.partial(SnapshotHF, **cfg.args)
+    return Pipeline(load_config(TINY, overrides), overwrite=True, progress=False, **stages)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--phases", default=None, help="G,S,U: evaluate the model only")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per thread")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        THREADS[0] = args.threads
+        torch.set_num_threads(args.threads)
+    if args.phases:
+        print(model(*map(float, args.phases.split(","))))
+        return
+    folder = workdir()
+    pipes = {v: build(folder, v) for v in ("sync", "ahead", "thread")}
+    times = {f"{v}/{k}": [] for v in pipes for k in ("step_s", *PHASES)}
+    load = [os.getloadavg()[0]]
+    for rep in range(args.reps + 1):                        # rep 0 warms up
+        order = list(pipes)[rep % 3:] + list(pipes)[:rep % 3]
+        for variant in order:
+            start = time.perf_counter()
+            _, metrics = pipes[variant].step()
+            if rep:
+                times[f"{variant}/step_s"].append(time.perf_counter() - start)
+                for key in PHASES:
+                    if key in metrics:
+                        times[f"{variant}/{key}"].append(metrics[key])
+        load.append(os.getloadavg()[0])
+        print(f"rep {rep}: " + ", ".join(f"{v} {times[f'{v}/step_s'][-1]:.2f}s"
+                                         for v in pipes if rep), flush=True)
+    for pipe in pipes.values():
+        if pipe.offpolicy is not None:
+            pipe.offpolicy.close()
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    g, s, u = (med[f"sync/{k}"] for k in PHASES[:3])
+    result = {"median_s": med, "model": model(g, s, u),
+              "measured_speedup": {v: med["sync/step_s"] / med[f"{v}/step_s"]
+                                   for v in ("ahead", "thread")}}
+    info = {**machine(), "load_1min": load, "reps": args.reps}
+    print_header("one-step off-policy rollouts: wall time per step, tiny example", info)
+    for k, v in med.items():
+        print(f"{k:28s} {v:8.3f} s")
+    for k, v in {**result["model"], **result["measured_speedup"]}.items():
+        print(f"{k:28s} {v:8.3f}")
+    write_json(args.json or default_json("offpolicy", "cpu"),
+               {"info": info, **result, "raw_s": times})
+
+
+if __name__ == "__main__":
+    main()
