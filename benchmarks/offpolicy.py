@@ -2,6 +2,8 @@
 CPU), the phase times, and the speed-up that overlapping generation with the update can give.
 
     python benchmarks/offpolicy.py [--reps 6] [--threads N] [--phases G,S,U]
+    python benchmarks/offpolicy.py --device cuda --size qwen2.5-0.5b --dtype bfloat16 \
+        --batch 16 --new-tokens 128                     # a GPU: HF generate beside the update
 
 Three pipelines from the tiny example's config (``rollout_correction.mode: tis`` in all three),
 stepped in turn, rotating which goes first, after one warm-up step each:
@@ -32,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, default_json, machine, print_header, workdir, write_json
+from common import (ROOT, default_json, machine, make_assets, make_config, print_header, sync,
+                    workdir, write_json)
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.run.pipeline import Pipeline
 from rlpipe.plugins.collectors.hf import HFCollector
@@ -69,15 +72,24 @@ def model(g: float, s: float, u: float) -> dict:
             "speedup": (g + s + u) / max(g, s + u), "speedup_g_u": (g + u) / max(g, u)}
 
 
-def build(folder: Path, variant: str) -> Pipeline:
+def build(base, folder: Path, variant: str) -> Pipeline:
+    """The pipeline of ``variant`` from the config ``base``."""
     overrides = [f"run.output_dir={folder / variant}", "run.steps=1000",
                  "rollout_correction.mode=tis", "log.progress=false", "health.enabled=false",
                  f"rollout.staleness={int(variant != 'sync')}"]
     stages = {}
     if variant == "thread":
-        cfg = load_config(TINY).collector
-        stages["collector"] = functools.partial(SnapshotHF, **cfg.args)
-    return Pipeline(load_config(TINY, overrides), overwrite=True, progress=False, **stages)
+        stages["collector"] = functools.partial(SnapshotHF, **base.collector.args)
+    return Pipeline(load_config(base, overrides), overwrite=True, progress=False, **stages)
+
+
+def base_config(args, folder: Path):
+    """The tiny example, or with ``--size`` a random-init model of that size (common.py)."""
+    if args.size is None:
+        return load_config(TINY, [f"run.device={args.device}"])
+    make_assets(folder, args.size)
+    return make_config(folder, batch=args.batch, new_tokens=args.new_tokens, device=args.device,
+                       dtype=args.dtype, epochs=args.epochs)
 
 
 def main() -> None:
@@ -85,6 +97,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--phases", default=None, help="G,S,U: evaluate the model only")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per thread")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--size", default=None, help="a common.py model size (default: tiny)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -94,14 +112,17 @@ def main() -> None:
         print(model(*map(float, args.phases.split(","))))
         return
     folder = workdir()
-    pipes = {v: build(folder, v) for v in ("sync", "ahead", "thread")}
+    base = base_config(args, folder)
+    pipes = {v: build(base, folder, v) for v in ("sync", "ahead", "thread")}
     times = {f"{v}/{k}": [] for v in pipes for k in ("step_s", *PHASES)}
     load = [os.getloadavg()[0]]
     for rep in range(args.reps + 1):                        # rep 0 warms up
         order = list(pipes)[rep % 3:] + list(pipes)[:rep % 3]
         for variant in order:
+            sync(args.device)
             start = time.perf_counter()
             _, metrics = pipes[variant].step()
+            sync(args.device)
             if rep:
                 times[f"{variant}/step_s"].append(time.perf_counter() - start)
                 for key in PHASES:
@@ -117,14 +138,21 @@ def main() -> None:
     g, s, u = (med[f"sync/{k}"] for k in PHASES[:3])
     result = {"median_s": med, "model": model(g, s, u),
               "measured_speedup": {v: med["sync/step_s"] / med[f"{v}/step_s"]
-                                   for v in ("ahead", "thread")}}
-    info = {**machine(), "load_1min": load, "reps": args.reps}
+                                   for v in ("ahead", "thread")},
+              "paired_speedup": {v: statistics.median(   # per rep: the runs side by side
+                  a / b for a, b in zip(times["sync/step_s"], times[f"{v}/step_s"]))
+                  for v in ("ahead", "thread")}}
+    info = {**machine(args.device), "load_1min": load, "reps": args.reps, "size": args.size,
+            "dtype": args.dtype, "batch": args.batch, "new_tokens": args.new_tokens}
     print_header("one-step off-policy rollouts: wall time per step, tiny example", info)
     for k, v in med.items():
         print(f"{k:28s} {v:8.3f} s")
-    for k, v in {**result["model"], **result["measured_speedup"]}.items():
+    for k, v in result["model"].items():
         print(f"{k:28s} {v:8.3f}")
-    write_json(args.json or default_json("offpolicy", "cpu"),
+    for kind in ("measured_speedup", "paired_speedup"):
+        for k, v in result[kind].items():
+            print(f"{kind} {k:13s} {v:8.3f}x")
+    write_json(args.json or default_json("offpolicy", args.device),
                {"info": info, **result, "raw_s": times})
 
 
