@@ -6,7 +6,7 @@ Step t of the loop (`rlpipe.core.run.pipeline.Pipeline.step`) starts with `OffPo
 1. take the batch in flight, sampled by the actor as it was before step t-1's update (at the
    first step, or after a resume without one, sample it now);
 2. sync the engine to the current actor: the step's one sync point, never while a generation is
-   in flight (`sync` waits for it first);
+   in flight (the batch in flight has been taken; `settle` waits for it);
 3. submit the next batch's generation: in a thread where the collector's contract declares
    ``overlaps_update`` (the engine holds its own weights and computes apart, vllm: the thread
    waits on it with the GIL released while the update runs), else at once (hf: the engine is the
@@ -58,7 +58,7 @@ class OffPolicy:
 
     def __init__(self, rows: Callable[[], list], collect: Callable[[list], TensorDict],
                  sync: Callable[[], None], threaded: bool):
-        self.rows, self.collect, self._sync = rows, collect, sync
+        self.rows, self.collect, self.sync = rows, collect, sync
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rlpipe-rollout") if threaded else None
         self.pending: Future | Collected | None = None
         self.current = False     # the engine holds the actor's weights (`settle` synced them)
@@ -75,11 +75,6 @@ class OffPolicy:
             self.pending = self.pending.result()   # an error in the thread is raised here
         return self.pending
 
-    def sync(self) -> None:
-        """Push the actor's weights to the engine, after any generation in flight has ended."""
-        self.wait()
-        self._sync()
-
     def take(self) -> Collected:
         """Steps 1-3 above: this step's batch (the collector's, its rows, its generation's
         seconds), with the engine synced and the next batch submitted."""
@@ -88,7 +83,7 @@ class OffPolicy:
         if collected is None:
             collected = self._sample(self.rows())
         if not self.current:
-            self._sync()
+            self.sync()
         self.current = False
         rows = self.rows()
         self.pending = self.pool.submit(self._sample, rows) if self.pool else self._sample(rows)
@@ -103,6 +98,7 @@ class OffPolicy:
     def settle(self) -> None:
         """Wait for the batch in flight and sync the engine to the actor (evaluation on the
         training engine calls it); the next `take` then skips its sync."""
+        self.wait()
         self.sync()
         self.current = True
 
