@@ -101,7 +101,7 @@ class CriticConfig:
 @dataclass
 class ReferenceConfig:
     offload: bool = opt(False, "the frozen reference waits on CPU and visits the GPU only for its "
-                               "scoring pass (full-weight actors)")
+                               "scoring pass (one process; a LoRA actor has no copy to offload)")
 
 
 @dataclass
@@ -134,7 +134,8 @@ class DataConfig:
         None, ".txt (a prompt a line), .jsonl, .json, .parquet, .csv, a save_to_disk folder or a "
               "cached Hub dataset; required unless Python passes dataset=")
     batch_size: int = num(8, ">= 1", "prompts per step; samples per step = batch_size x "
-                                     "collector n")
+                                     "collector n; fewer rows: prompts repeat within a step, "
+                                     "with a warning")
     shuffle: bool = opt(True, "a fresh seeded permutation each pass over the data")
     split: str = opt("train", "the split of a folder, DatasetDict or Hub dataset")
     prompt_key: str = opt("prompt", "the prompt column (strings, or chat messages); every other "
@@ -167,7 +168,8 @@ class KLConfig:
     clamp: float | None = num(10.0, "> 0", "bound log pi - log pi_ref to [-clamp, clamp] before "
                                            "the estimator (null: off; algorithms.md)")
     in_: Literal["reward", "loss"] | None = opt(
-        None, "reward: -beta*KL per token in the reward; loss: beta*KL as the loss term loss_kl; "
+        None, "reward: -beta*KL per token in the reward; loss: beta*KL (a masked token mean) as "
+              "the loss term loss_kl; "
               "null: where the advantage declares (loss for grpo, rloo; reward for gae, "
               "reinforce_pp)", yaml="in")
     target: float | None = num(None, "> 0", "set: adaptive beta towards this KL (Ziegler et al. "
@@ -199,7 +201,8 @@ class RolloutCorrectionConfig:
         "auto", "who computes old_log_prob under mode none: recompute (an actor forward), "
                 "sampling (the sampling pass), auto (sampling where it is exact)")
     level: Literal["token", "sequence"] = opt("token", "token: a weight per token; sequence: the "
-                                                       "product over the sequence")
+                                                       "product over the sequence, on each of its "
+                                                       "tokens")
     threshold: float = num(2.0, ">= 1", "C: tis truncates weights at C, mis keeps weights in "
                                         "[1/C, C]")
     max_masked_frac: float = num(0.5, "in [0, 1]", "a step where mis masks more of the tokens "
@@ -211,7 +214,8 @@ class TrainConfig:
     epochs: int = num(4, ">= 1", "PPO epochs over each rollout batch")
     minibatches: int = num(2, ">= 1", "optimizer steps per epoch")
     grad_accum: int = num(1, ">= 1", "micro-batches per optimizer step (the loss does not "
-                                     "depend on it)")
+                                     "depend on it); above 1, ordered by prompt first "
+                                     "(performance.md)")
     lr: float = num(1e-5, "> 0", "AdamW learning rate of the actor")
     critic_lr: float = num(5e-5, "> 0", "AdamW learning rate of the critic")
     weight_decay: float = num(0.0, ">= 0", "AdamW weight decay")
@@ -220,15 +224,18 @@ class TrainConfig:
     forward_batch_size: int = num(16, ">= 1", "micro-batch of the no-grad forwards over the "
                                               "rollout")
     schedule: Literal["constant", "cosine"] = opt(
-        "constant", "learning-rate schedule; cosine reaches 0 at the last optimizer step")
+        "constant", "learning-rate schedule; cosine reaches 0 at the last optimizer step of "
+                    "run.steps")
     warmup_steps: int = num(0, ">= 0", "linear warm-up, in optimizer steps")
     target_kl: float | None = num(None, ">= 0", "stop a step's epochs once a minibatch's "
-                                                "approx-KL (policy/approx_kl for ppo) exceeds it")
+                                                "approx-KL (policy/approx_kl for ppo) exceeds it; "
+                                                "an error with a loss that declares none")
     critic_warmup_steps: int = num(0, ">= 0", "the first PPO steps update the critic only")
     critic_warmup_explained_var: float | None = num(
         None, "<= 1", "set: critic-only steps go on until a step's value/explained_var reaches it")
     critic_warmup_max_steps: int = num(50, ">= 1", "with critic_warmup_explained_var: at most "
-                                                   "this many critic-only steps in all")
+                                                   "this many critic-only steps in all, "
+                                                   "critic_warmup_steps included (not below it)")
     max_bad_steps: int = num(3, ">= 1", "minibatches with a non-finite loss or gradient are "
                                         "skipped; this many in a row stop the run")
 
@@ -237,8 +244,8 @@ class TrainConfig:
 class PtxConfig:
     coef: float = num(0.0, ">= 0", "PPO-ptx: add coef x the language-modelling loss on data to "
                                    "each actor update (logged as policy/ptx_loss)")
-    data: Path | None = opt(None, "ptx text: .txt (one text per line) or .jsonl (a text field); "
-                                  "required when coef > 0")
+    data: Path | None = opt(None, "ptx text: .txt (one text per line) or .jsonl (a 'text' field "
+                                  "per line); required when coef > 0")
     batch_size: int = num(4, ">= 1", "ptx texts per optimizer step")
     max_tokens: int = num(256, ">= 1", "tokens per ptx text (longer ones are cut)")
 
@@ -281,7 +288,8 @@ class LogConfig:
                              "'rlpipe[wandb]')")
     wandb_project: str = opt("rlpipe", "the W&B project")
     samples_every: int = num(1, ">= 0", "write samples/step-N.jsonl every N steps (0: never)")
-    samples: int = num(4, ">= 1", "samples per file, evenly spaced over the batch")
+    samples: int = num(4, ">= 1", "samples per file, evenly spaced over the batch (no random "
+                                  "draw)")
 
 
 @dataclass
@@ -318,8 +326,9 @@ class Config:
     models: ModelsConfig = opt(help="the actor, critic and reference models")
     data: DataConfig = opt(help="the training prompts")
     rewards: list[RewardConfig] = opt(
-        help="list of {name, weight, label, ...plugin arguments}; empty when Python passes "
-             "rewards=", factory=list)
+        help="list of {name, weight, label, ...plugin arguments}, or path (a Python file) + "
+             "function instead of name; at least one unless Python passes rewards=",
+        factory=list)
     run: RunConfig = opt(help="the run: steps, seed, run directory, device", factory=RunConfig)
     collector: PluginConfig = opt(help="the collector plugin and its arguments",
                                   factory=lambda: PluginConfig("hf"))

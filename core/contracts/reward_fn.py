@@ -102,6 +102,23 @@ def _verl_scores(fn, td, kwargs: dict) -> list:
     return out
 
 
+def _rlpipe_scores(fn, td, kwargs: dict, defaults: dict):
+    """rlpipe's convention: ``fn(prompts, responses, **batch)`` with the batch's top-level
+    entries and the dataset columns; a column named like one of ``fn``'s settings is refused."""
+    skip = {schema.PROMPT_TEXT, schema.RESPONSE_TEXT, schema.DATA, *kwargs}
+    batch = {k: td.get(k) for k in td.keys() if k not in skip}
+    columns = _columns(td)
+    shadowing = [c for c in columns if c in defaults]
+    if shadowing:  # it would replace the setting's value silently
+        c = shadowing[0]
+        raise UserError(f"reward function {fn.__name__}: the data column {c!r} has the name of "
+                        f"its setting {c} (default {defaults[c]!r}); rename the column or the "
+                        f"parameter")
+    batch.update(columns)
+    return fn(batch_texts(td, schema.PROMPT_TEXT), batch_texts(td, schema.RESPONSE_TEXT),
+              **batch, **kwargs)
+
+
 def wrap_reward_function(fn) -> type[nn.Module]:
     """Turn a reward function into a reward module class. Three conventions, told apart by the
     signature (`reward_convention`) when the function is loaded:
@@ -158,18 +175,7 @@ def wrap_reward_function(fn) -> type[nn.Module]:
                         if (takes_any or k in wanted) and k not in self.kwargs}
                 out = fn(**args, **self.kwargs)
             else:
-                skip = {schema.PROMPT_TEXT, schema.RESPONSE_TEXT, schema.DATA, *self.kwargs}
-                batch = {k: td.get(k) for k in td.keys() if k not in skip}
-                columns = _columns(td)
-                shadowing = [c for c in columns if c in defaults]
-                if shadowing:  # it would replace the setting's value silently
-                    c = shadowing[0]
-                    raise UserError(f"reward function {fn.__name__}: the data column {c!r} has the "
-                                    f"name of its setting {c} (default {defaults[c]!r}); rename "
-                                    f"the column or the parameter")
-                batch.update(columns)
-                out = fn(batch_texts(td, schema.PROMPT_TEXT),
-                         batch_texts(td, schema.RESPONSE_TEXT), **batch, **self.kwargs)
+                out = _rlpipe_scores(fn, td, self.kwargs, defaults)
             try:
                 return torch.as_tensor([float(x) for x in out], dtype=torch.float32)
             except (TypeError, ValueError) as exc:

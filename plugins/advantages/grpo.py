@@ -54,9 +54,9 @@ def grpo_advantage(reward: torch.Tensor, mask: torch.Tensor, group_id: torch.Ten
 
 
 class GRPO(TensorDictModuleBase):
-    """Advantage stage: reads ``reward``, ``response_mask``, ``group_id``; writes ``advantage``
-    (see `grpo_advantage`) and ``value_target``, a copy of the advantage: there is no critic,
-    so nothing reads it.
+    """Group-normalised sequence scores, no critic. Advantage stage: reads ``reward``,
+    ``response_mask``, ``group_id``; writes ``advantage`` (see `grpo_advantage`) and
+    ``value_target``, a copy of the advantage: there is no critic, so nothing reads it.
 
     Args:
         scale_std: divide by the group's std (false: Dr. GRPO, mean-centred only)

@@ -48,8 +48,9 @@ def reinforce_pp_advantage(reward: torch.Tensor, mask: torch.Tensor,
 
 
 class ReinforcePP(TensorDictModuleBase):
-    """Advantage stage: reads ``reward``, ``response_mask``; writes ``advantage`` and
-    ``value_target`` (the unwhitened returns), see `reinforce_pp_advantage`.
+    """REINFORCE++: discounted returns normalised over the batch, no critic. Advantage stage:
+    reads ``reward``, ``response_mask``; writes ``advantage`` and ``value_target`` (the
+    unwhitened returns), see `reinforce_pp_advantage`.
 
     Args:
         gamma: discount of the returns

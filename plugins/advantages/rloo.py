@@ -50,9 +50,10 @@ def rloo_advantage(reward: torch.Tensor, mask: torch.Tensor,
 
 
 class RLOO(TensorDictModuleBase):
-    """Advantage stage: reads ``reward``, ``response_mask``, ``group_id``; writes ``advantage``
-    (see `rloo_advantage`; whitened over all valid tokens of the batch when ``whiten``) and
-    ``value_target``, a copy of the advantage: there is no critic, so nothing reads it.
+    """A leave-one-out baseline within each group, no critic. Advantage stage: reads
+    ``reward``, ``response_mask``, ``group_id``; writes ``advantage`` (see `rloo_advantage`;
+    whitened over all valid tokens of the batch when ``whiten``) and ``value_target``, a copy
+    of the advantage: there is no critic, so nothing reads it.
 
     Args:
         whiten: normalise advantages over the batch's valid tokens

@@ -88,7 +88,10 @@ def loop_penalty(ids: torch.Tensor, mask: torch.Tensor, *, n: int = 3, penalty: 
 
 
 class LoopPenalty(nn.Module):
-    """Loop penalty reward component: reads ``response_ids`` and ``response_mask``, returns [B].
+    """Loop penalty reward component: ``-penalty`` times the larger of the share of repeated
+    n-grams and the share of the response inside a loop at its end, so 0 without repetition
+    and ``-penalty`` for a response that loops to its end; reads ``response_ids`` and
+    ``response_mask``, returns [B].
 
     Args:
         n: n-gram length of the repeated-n-gram fraction

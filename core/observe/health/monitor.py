@@ -40,12 +40,15 @@ HEAD, TAIL = 100, 1000  # rows a live monitor keeps: the run's first steps and i
 class HealthConfig:
     enabled: bool = opt(True, "judge the health rules after every step; false turns off the live "
                               "checks and stop_on, not rlpipe doctor")
-    stop_on: list[str] = opt(help="rules that stop the run after a checkpoint when they fire",
+    stop_on: list[str] = opt(help="installed rule names: rules that stop the run after a "
+                                  "checkpoint when they fire",
                              factory=list)
-    ignore: list[str] = opt(help="rules not judged (live, in rlpipe doctor and in the report)",
+    ignore: list[str] = opt(help="installed rule names: rules not judged (live, in rlpipe "
+                                 "doctor and in the report)",
                             factory=list)
     rules: dict[str, Any] = opt(help="{RULE: {PARAM: VALUE}}: tune a rule within its declared "
-                                     "ranges, e.g. clip_high: {threshold: 0.4}", factory=dict)
+                                     "ranges, e.g. clip_high: {threshold: 0.4}; an unknown rule "
+                                     "or parameter is an error", factory=dict)
     resolved = None  # not a field: the rules `load_config` built (`rlpipe.core.observe.health.load_rules`)
 
 
