@@ -167,20 +167,22 @@ class SnapshotHF(HFCollector):
     @functools.wraps(HFCollector.__init__)   # its signature: the arguments it takes
     def __init__(self, ctx, **args):
         super().__init__(ctx, **args)
-        self.model = copy.deepcopy(ctx.actor)
-        self.busy, self.spans, self.threads = False, [], set()
+        self.actor, self.model = ctx.actor, copy.deepcopy(ctx.actor)
+        self.busy, self.spans, self.threads, self.syncs = [], [], set(), []  # shared with views
 
     def collect(self, prompts):
-        self.busy, start = True, time.perf_counter()
+        self.busy.append(1)
+        start = time.perf_counter()
         self.threads.add(threading.current_thread() is threading.main_thread())
         try:
             return super().collect(prompts)
         finally:
-            self.busy = False
+            self.busy.pop()
             self.spans.append((start, time.perf_counter()))
 
     def sync_weights(self, model):
         assert not self.busy, "weights synced while a generation was in flight"
+        self.syncs.append(1)
         self.model.load_state_dict(model.state_dict())
 
 
@@ -222,3 +224,36 @@ def test_a_collector_that_overlaps_the_update_samples_in_a_thread(tmp_path):
         assert a.keys() == b.keys()
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+
+
+class SnapshotHFWithView(SnapshotHF):
+    """`SnapshotHF` that offers ``sampling_view``, as ``vllm`` does: evaluation samples from the
+    same copy of the actor. A view records whether that copy was the actor's current weights."""
+
+    fresh: list = []
+
+    def sampling_view(self, temperature, n):
+        view = copy.copy(self)
+        view.temperature, view.n, view.is_view = temperature, n, True
+        return view
+
+    def collect(self, prompts):
+        if getattr(self, "is_view", False):
+            self.fresh.append(all(torch.equal(a, b) for a, b in
+                                  zip(self.model.parameters(), self.actor.parameters())))
+        return super().collect(prompts)
+
+
+def test_evaluation_on_the_training_engine_waits_and_sees_the_current_actor(tmp_path):
+    """Evaluation sampling from the training engine (``sampling_view``) first waits for the batch
+    in flight and syncs it (`OffPolicy.settle`), so it samples from the actor just updated, and
+    the next step skips its own sync: one sync per evaluation, none during a generation."""
+    prompts = TINY.parent / "prompts.txt"
+    pipe = Pipeline(tiny(tmp_path, *STALE, "run.steps=2", f"eval.prompts={prompts}",
+                         "eval.every=1", "eval.max_prompts=4"), progress=False,
+                    collector=functools.partial(SnapshotHFWithView, max_new_tokens=24, n=2))
+    pipe.train()
+    collector = pipe.plugins.collector
+    assert pipe.evaluator.own_engine is False
+    assert collector.fresh == [True, True, True]          # evaluations at steps 0, 1, 2
+    assert len(collector.syncs) == 3 and collector.threads == {True, False}
