@@ -158,7 +158,8 @@ def test_the_hf_collector_prefills_shared_prompt_tokens_once(tiny_model, tiny_to
     batches = []
     for share in (False, True):
         torch.manual_seed(7)
-        ctx = RunContext(tokenizer=tiny_tokenizer, actor=model, shared_prefix=share)
+        ctx = RunContext(tokenizer=tiny_tokenizer, actor=model, shared_prefix=share,
+                         device=model.device)
         collector = HFCollector(ctx, max_new_tokens=6, temperature=temperature, n=n,
                                 min_new_tokens=2)
         collector.record_actor_log_prob(0.7)

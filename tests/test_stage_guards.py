@@ -89,7 +89,8 @@ def test_mis_that_masks_most_tokens_stops_on_one_line(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["bypass", "tis", "mis"])
 def test_non_finite_engine_log_probs_blame_the_engine(mode, tmp_path, monkeypatch):
-    shifted_engine(monkeypatch, lambda x: torch.where(torch.arange(x.shape[1]) == 1, torch.nan, x))
+    shifted_engine(monkeypatch, lambda x: torch.where(torch.arange(x.shape[1], device=x.device) == 1,
+                                                    torch.nan, x))
     cfg = load_config(TINY, [f"run.output_dir={tmp_path / 'run'}", *FAST,
                              f"rollout_correction.mode={mode}"])
     with pytest.raises(UserError, match=r"the engine's log-probs \('engine_log_prob' of the "

@@ -255,13 +255,17 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
     """FSDP2: ``fully_shard`` each transformer block, then the root; bf16 compute with fp32
     gradient reduction when ``bf16``. FSDP averages gradients over ranks, so the trainer gives
-    the loss ``global count / world`` as its normaliser (the sum over all ranks' tokens / count)."""
+    the loss ``global count / world`` as its normaliser (the sum over all ranks' tokens / count).
+    The mesh is on the process group's device: FSDP's default mesh is CUDA wherever a GPU is
+    visible, which breaks a gloo (CPU) job on a machine with fewer GPUs than processes."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
+    mesh = init_device_mesh(_collective_device().type, (dist.get_world_size(),))
     for module in [*_blocks(model), model]:
-        fully_shard(module, mp_policy=mp)
+        fully_shard(module, mesh=mesh, mp_policy=mp)
     return model
 
 
