@@ -135,7 +135,10 @@ class ValueModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         self.head = nn.Linear(hidden_size, 1)
-        nn.init.normal_(self.head.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+        # OpenRLHF's init (std 1/(hidden+1), not 1/sqrt(hidden+1)): a fresh head's values start
+        # near 0, so its first updates fit the returns instead of undoing noise. With the sqrt the
+        # tiny example's critic had explained variance -15 at step 1 and below 0 for 10 steps.
+        nn.init.normal_(self.head.weight, std=1.0 / (hidden_size + 1))
         nn.init.zeros_(self.head.bias)
 
     @classmethod
