@@ -156,8 +156,8 @@ def test_lora_checkpoint_is_an_adapter_and_exports_merged(tmp_path):
 def test_lora_on_a_random_init_base_exports_merged(tmp_path):
     """A base built with init: random has no weights file; export rebuilds it from the run's seed."""
     run_dir = tmp_path / "run"
-    pipe = Pipeline(tiny(run_dir, *LORA, "train.lr=0.05", "checkpoint.every=1", "run.steps=1",
-                         "train.epochs=1"), progress=False)
+    pipe = Pipeline(tiny(run_dir, *LORA, "models.actor.init=random", "train.lr=0.05",
+                         "checkpoint.every=1", "run.steps=1", "train.epochs=1"), progress=False)
     pipe.train()
     assert run_cli("export", run_dir, tmp_path / "merged").exit_code == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")

@@ -97,9 +97,11 @@ def test_flat_rewards_leave_a_group_run_where_it_started(tmp_path, advantage):
     default, k2) has no gradient at pi = pi_ref beyond round-off, so the KL stays at round-off.
     One optimizer step per PPO step: with several, Adam's normalised step turns the first
     minibatch's round-off gradient into lr-sized moves (k2/k3 then hold the sequence KL near
-    0.045 on this example, k1 lets it climb to 0.9; the issue notes, tests/README)."""
+    0.045 on this example, k1 lets it climb to 0.9; the issue notes, tests/README).
+    Random weights: their round-off gradient here is exactly 0; the example's warm-started
+    weights give 4e-8 at step 1, which Adam's first (normalised) step turns into lr-sized moves."""
     cfg = tiny(tmp_path, f"advantage.name={advantage}", "collector.n=2", "kl.coef=0.5",
-               "run.steps=3", "train.epochs=1", "train.minibatches=1")
+               "run.steps=3", "train.epochs=1", "train.minibatches=1", "models.actor.init=random")
     pipe = Pipeline(cfg, progress=False, rewards=[zero])
     assert (pipe.cfg.kl.in_, pipe.cfg.kl.estimator) == ("loss", "k2")
     batch, first = pipe.step()
@@ -109,7 +111,7 @@ def test_flat_rewards_leave_a_group_run_where_it_started(tmp_path, advantage):
     assert all(r["train/grad_norm"] < 1e-5 and abs(r["kl/ref"]) < 1e-6 for r in rows), rows
     # the same run with k1 in the loss (what the refusal prevents) moves at once
     cfg = tiny(tmp_path / "k1", f"advantage.name={advantage}", "collector.n=2", "kl.coef=0.5",
-               "run.steps=1", "train.epochs=1", "train.minibatches=1")
+               "run.steps=1", "train.epochs=1", "train.minibatches=1", "models.actor.init=random")
     cfg.kl.auto, cfg.kl.estimator = (), "k3"
     pipe = Pipeline(cfg, progress=False, rewards=[zero])
     pipe.kl.estimator = "k1"  # the run's one penalty: the loop's, the trainer's and the loss's

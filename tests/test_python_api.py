@@ -30,7 +30,7 @@ def tiny_dict(out: Path) -> dict:
 def test_load_config_takes_a_path_a_dict_or_a_config_alike(tmp_path):
     from_path = rlpipe.load_config(str(TINY), [f"run.output_dir={tmp_path}", "run.steps=1"])
     from_dict = rlpipe.load_config(tiny_dict(tmp_path), ["train.epochs=2", "train.minibatches=2",
-                                                         "log.progress=true", "data.batch_size=8",
+                                                         "log.progress=true", "data.batch_size=16",
                                                          "collector.max_new_tokens=24"])
     assert from_dict.to_dict() == from_path.to_dict()
     assert rlpipe.load_config(from_path).to_dict() == from_path.to_dict()

@@ -343,9 +343,10 @@ def test_resume_of_a_finished_run_says_so_and_trains_nothing(tmp_path, reference
 
 def test_changed_settings_are_applied_and_listed_on_one_line(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    train(run_dir, "checkpoint.every=1", "run.steps=2")
+    steady = ["train.warmup_steps=0"]  # the lr asserted below, not a warm-up's fraction of it
+    train(run_dir, "checkpoint.every=1", "run.steps=2", "train.lr=0.001", *steady)
     capsys.readouterr()
-    pipe = Pipeline(config(run_dir, "checkpoint.every=1", "train.lr=0.0005", "kl.coef=0.2"),
+    pipe = Pipeline(config(run_dir, "checkpoint.every=1", "train.lr=0.0005", "kl.coef=0.2", *steady),
                     progress=False, resume=True)
     pipe.train()
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]

@@ -120,6 +120,7 @@ def cfg_file(tmp_path_factory):
     raw["models"]["actor"]["path"] = str(TINY / "model")
     raw["data"]["prompts"] = str(TINY / "prompts.txt")
     raw["run"]["output_dir"] = str(tmp / "run")
+    raw["run"]["steps"], raw["data"]["batch_size"] = 10, 8  # what the messages below are written for
     path = tmp / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

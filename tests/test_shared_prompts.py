@@ -184,7 +184,7 @@ def test_update_micro_batches_keep_a_prompts_samples_together(tmp_path, shared_r
     def recording(self, micro):
         seen.append(micro["group_id"].tolist())
         return real(self, micro)
-    cfg = load_config(TINY, [f"run.output_dir={tmp_path / 'run'}", "run.steps=1",
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path / 'run'}", "run.steps=1", "data.batch_size=8",
                              "collector.n=4", "train.grad_accum=2", "train.epochs=1"])
     pipe = Pipeline(cfg, progress=False)
     pipe.updater._micro_step = recording.__get__(pipe.updater)

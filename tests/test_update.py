@@ -271,4 +271,7 @@ def test_explained_var_does_not_depend_on_the_micro_batch_split(tmp_path):
                         progress=False)
         got[accum] = pipe.step()[1]
     for key in (*UPDATE[:2], *UPDATE[3:], "value/explained_var"):
-        assert got[3][key] == pytest.approx(got[1][key], rel=1e-5, abs=1e-6), key
+        # a clip fraction counts tokens past a hard edge: round-off in the summation order may
+        # move one across it (one token of ~300 here; as in tests/test_shared_prefix.py)
+        tol = {"abs": 1e-2} if key.endswith("clipfrac") else {"rel": 1e-5, "abs": 1e-6}
+        assert got[3][key] == pytest.approx(got[1][key], **tol), key

@@ -1,23 +1,34 @@
-"""Build the tiny example model folder: a byte-level BPE tokenizer and a 2-layer Llama config.
+"""Build the tiny example model folder: a byte-level BPE tokenizer, a 2-layer Llama config and
+its warm-started weights.
 
-Deterministic: the same prompts.txt gives the same files. No weights are written; rlpipe
-random-initialises the model from ``config.json`` (config option ``init: random``).
+The weights: the seeded random model, trained for ``WARM_STEPS`` supervised steps (about 30 s on
+one CPU core) to answer each prompt of prompts.txt with random words and a full stop, then EOS:
+12-20 words after a question or an instruction (a prompt ending with ``?`` or ``.``), 1-6 words
+after any other prompt. So the model starts out ending its answers (a random model draws EOS about
+once in 1000 tokens and is cut at ``max_new_tokens``), and its answers to questions are too long
+for the example's length reward, which is what PPO then teaches it. Saved in bfloat16 (400 KB;
+rlpipe loads them as float32). Deterministic on one machine: the same files from the same
+prompts.txt, torch and transformers.
 
     python examples/tiny/build_assets.py          # writes examples/tiny/model/
 
->>> sorted(p.name for p in (HERE / "model").glob("*.json"))  # doctest: +SKIP
-['config.json', 'tokenizer.json', 'tokenizer_config.json']
+>>> sorted(p.name for p in (HERE / "model").iterdir())  # doctest: +SKIP
+['config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json']
 """
 
 import json
+import random
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 HERE = Path(__file__).resolve().parent
 VOCAB_SIZE = 1000
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+WARM_STEPS, WARM_BATCH, WARM_LR = 500, 32, 3e-3
 
 # Common English words beyond the prompts, so that responses have tokens to be built from.
 EXTRA_WORDS = """
@@ -87,10 +98,73 @@ def build_config(tokenizer) -> LlamaConfig:
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
 
 
+def answer_words(prompt: str, rng: random.Random) -> list[str]:
+    """A warm-start answer: 12-20 random words after a question or instruction, else 1-6.
+
+    >>> len(answer_words("Why is the sky blue?", random.Random(0))) >= 12
+    True
+    """
+    words = EXTRA_WORDS.split()
+    count = rng.randint(12, 20) if prompt.endswith(("?", ".")) else rng.randint(1, 6)
+    return [rng.choice(words) for _ in range(count)]
+
+
+def warm_batch(tokenizer, prompts: list[str], rng: random.Random) -> dict:
+    """``WARM_BATCH`` prompts with answers: input ids, attention mask, labels on the answers only
+    (their words, a full stop, EOS), right-padded.
+
+    >>> batch = warm_batch(build_tokenizer(), ["Hi there"], random.Random(0))  # doctest: +SKIP
+    >>> batch["labels"].shape[0]  # doctest: +SKIP
+    32
+    """
+    rows = []
+    for prompt in (rng.choice(prompts) for _ in range(WARM_BATCH)):
+        answer = " " + " ".join(answer_words(prompt, rng)) + "."
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((prompt_ids, answer_ids))
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels, mask = torch.full_like(ids, -100), torch.zeros_like(ids)
+    for i, (p, a) in enumerate(rows):
+        ids[i, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, :len(p) + len(a)] = 1
+        labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def warm_start(tokenizer, config: LlamaConfig) -> LlamaForCausalLM:
+    """The seeded random model after ``WARM_STEPS`` AdamW steps on `warm_batch` (one thread:
+    the same weights run to run).
+
+    >>> warm_start(build_tokenizer(), build_config(build_tokenizer()))  # doctest: +SKIP
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    prompts = (HERE / "prompts.txt").read_text().splitlines()
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_LR)
+    for step in range(WARM_STEPS):
+        loss = model(**warm_batch(tokenizer, prompts, rng)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 100 == 0 or step == WARM_STEPS - 1:
+            print(f"warm start: step {step + 1}/{WARM_STEPS}, loss {loss.item():.3f}")
+    torch.set_num_threads(threads)
+    return model.eval()
+
+
 if __name__ == "__main__":
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(HERE / "model")
-    build_config(tokenizer).save_pretrained(HERE / "model")
+    config = build_config(tokenizer)
+    config.save_pretrained(HERE / "model")
+    weights = {k: v.detach().to(torch.bfloat16).contiguous()
+               for k, v in warm_start(tokenizer, config).state_dict().items()}
+    save_file(weights, str(HERE / "model" / "model.safetensors"), metadata={"format": "pt"})
     # transformers 5 names its class TokenizersBackend; this name also loads on 4.x
     tokenizer_config = HERE / "model" / "tokenizer_config.json"
     fields = json.loads(tokenizer_config.read_text())
