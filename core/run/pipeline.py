@@ -210,8 +210,8 @@ class Pipeline(RunState):
         return self.dist.share(self.prompts.next_batch())
 
     def _collect(self, rows: list[int]) -> TensorDict:
-        """Stage 1 for the prompts ``rows``: the collector's batch (`OffPolicy` runs it ahead)."""
-        self.models.actor.eval()
+        """Stage 1 for the prompts ``rows``: the collector's batch (`OffPolicy` runs it ahead, in
+        a thread where the engine computes apart: so this leaves the actor's mode alone)."""
         collector = self.plugins.collector  # plugin calls: an error names the plugin
         with self.models.compute():  # models.autocast (the HF collector runs the actor)
             return guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
@@ -226,6 +226,7 @@ class Pipeline(RunState):
         sampled ahead by `OffPolicy`): the scored rollout of every rank, and the seconds spent
         collecting and scoring."""
         t0 = time.perf_counter()
+        self.models.actor.eval()  # sampling and scoring without dropout
         # 1. collect: sample responses for this rank's share of a batch of prompts
         if collected is None:
             rows = self._prompt_rows()
