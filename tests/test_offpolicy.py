@@ -149,7 +149,9 @@ def test_a_resumed_run_continues_identically(tmp_path):
     Pipeline(tiny(tmp_path / "cut", *common, "run.steps=2"), progress=False).train()
     state = torch.load(checkpoint.latest(tmp_path / "cut") / "state.pt", weights_only=True)
     (flight,) = state["in_flight"]
-    assert len(flight["rows"]) == 8 and flight["size"] == 16    # batch_size 8 x n 2
+    cfg = tiny(tmp_path / "unused", *common)
+    prompts = cfg.data.batch_size
+    assert len(flight["rows"]) == prompts and flight["size"] == prompts * cfg.collector.args["n"]
     Pipeline(tiny(tmp_path / "cut", *common, "run.steps=4"), progress=False, resume=True).train()
     assert rows(tmp_path / "cut") == rows(full)
     a, b = (load_file(str(d / "final" / "model.safetensors")) for d in (full, tmp_path / "cut"))
