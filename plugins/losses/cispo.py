@@ -28,8 +28,6 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from rlpipe.core.step import kl
-from rlpipe.core.base.ops import masked_mean
 from rlpipe.plugins.losses.ppo import PolicyGradientLoss, PPOLoss, check_args
 
 
@@ -94,9 +92,4 @@ class CISPOLoss(PolicyGradientLoss):
             td.get(keys.log_prob), td.get(keys.old_log_prob), td.get(keys.advantage),
             clip_low=self.clip_low, clip_high=self.clip_high,
             log_ratio_clamp=self.log_ratio_clamp)
-        if weight is not None:  # rollout correction (tis, mis)
-            loss = loss * weight
-        metrics = {"loss": loss, "clipfrac": clipped, "clipfrac_lower": clipped_lower,
-                   "approx_kl": kl.estimate(-log_ratio, self.APPROX_KL_ESTIMATOR)}
-        return agg(loss), {("policy", k): masked_mean(x.detach().to(log_ratio.dtype), mask)
-                           for k, x in metrics.items()}
+        return self.token_objective(loss, clipped, clipped_lower, log_ratio, mask, agg, weight)

@@ -185,6 +185,17 @@ class PolicyGradientLoss(PipelineLoss):
         (``rollout_is_weight``) unless None; ``metrics`` maps nested keys to detached scalars."""
         raise NotImplementedError
 
+    def token_objective(self, loss, clipped, clipped_lower, log_ratio, mask, agg, weight):
+        """`policy_objective`'s result from per-token terms: ``loss`` times ``weight`` (rollout
+        correction: tis, mis) reduced by ``agg``, and the token means of ``policy/loss``,
+        ``clipfrac``, ``clipfrac_lower`` and ``approx_kl`` (from ``log_ratio``)."""
+        if weight is not None:
+            loss = loss * weight
+        metrics = {"loss": loss, "clipfrac": clipped, "clipfrac_lower": clipped_lower,
+                   "approx_kl": kl.estimate(-log_ratio, self.APPROX_KL_ESTIMATOR)}
+        return agg(loss), {("policy", k): masked_mean(x.detach().to(log_ratio.dtype), mask)
+                           for k, x in metrics.items()}
+
     def forward(self, td: TensorDictBase) -> TensorDict:
         keys = self.tensor_keys
         mask = td.get(keys.response_mask)
@@ -284,9 +295,4 @@ class PPOLoss(PolicyGradientLoss):
             td.get(keys.log_prob), td.get(keys.old_log_prob), td.get(keys.advantage),
             clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
             log_ratio_clamp=self.log_ratio_clamp)
-        if weight is not None:  # rollout correction (tis, mis)
-            loss = loss * weight
-        metrics = {"loss": loss, "clipfrac": clipped, "clipfrac_lower": clipped_lower,
-                   "approx_kl": kl.estimate(-log_ratio, self.APPROX_KL_ESTIMATOR)}
-        return agg(loss), {("policy", k): masked_mean(x.detach().to(log_ratio.dtype), mask)
-                           for k, x in metrics.items()}
+        return self.token_objective(loss, clipped, clipped_lower, log_ratio, mask, agg, weight)
