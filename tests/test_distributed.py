@@ -7,6 +7,8 @@
   uninterrupted; its ``final/`` adapter loads with peft.
 - Two "nodes" (two launchers joining one c10d rendezvous on 127.0.0.1) equal one 2-process node.
 - Packed rows (``models.packed``) in 2 processes give the update of 1 process with padded rows.
+- One-step off-policy rollouts (``rollout.staleness: 1``) in 2 processes: the update of 1
+  process, and a resume that saved each rank's batch in flight.
 - Distributed mistakes give one line and an exit status, never a hang.
 """
 
@@ -174,6 +176,32 @@ def test_lora_two_processes_checkpoint_resume_and_export(tmp_path):
     base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(CONFIG.parent / "model"))
     policy = PeftModel.from_pretrained(base, cut / "final")
     assert sum(p.numel() for n, p in policy.named_parameters() if "lora_" in n) > 0
+
+
+STALE = ["rollout.staleness=1", "rollout_correction.mode=tis"]
+
+
+def test_staleness_one_in_two_processes_gives_one_process_update(tmp_path):
+    """``rollout.staleness: 1`` under FSDP2: each rank samples its next batch with the sharded
+    actor before the update; greedy, the two processes' steps equal one process's."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(one, *GREEDY, *STALE)
+    run(two, *GREEDY, *STALE, "distributed.nproc=2")
+    assert_same_update(one, two)
+
+
+def test_staleness_one_two_processes_resume_with_each_rank_batch_in_flight(tmp_path):
+    """Sampled, 2 processes, staleness 1, checkpoints every step: each rank's batch in flight is
+    saved with the step, so the run stopped after step 2 and resumed equals the uninterrupted
+    one, metrics and weights exactly."""
+    common = ["distributed.nproc=2", "checkpoint.every=1", *STALE]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run(full, *common, "run.steps=3")
+    run(cut, *common, "run.steps=2")
+    run(cut, *common, "run.steps=3", "--resume")
+    assert [r["step"] for r in metrics(cut)] == [1, 2, 3] and metrics(cut) == metrics(full)
+    w_full, w_cut = weights(full), weights(cut)
+    assert w_full.keys() == w_cut.keys() and all(torch.equal(w_full[k], w_cut[k]) for k in w_full)
 
 
 # ---- distributed mistakes: one line, an exit status, no hang --------------------------------
