@@ -222,10 +222,11 @@ def test_stop_on_stops_after_an_intact_checkpoint_and_resumes(tmp_path, capsys):
     assert "health: truncation at step" not in err  # it fired before the stop, once
 
 
-def test_doctor_on_the_quickstarts_measured_run():
-    """The 16 steps of the quickstart's measured run (examples/quickstart/README.md): the critic
-    stays weak, and the length drift of steps 7-11 shows; nothing else fires."""
-    result = cli("doctor", ROOT / "examples" / "quickstart" / "measured")
+def test_doctor_on_an_earlier_quickstart_run():
+    """The 16 steps of the quickstart's measured run of 2026-11-23 (kept in tests/data, before
+    the value head's smaller init): the critic stays weak, and the length drift of steps 7-11
+    shows; nothing else fires."""
+    result = cli("doctor", ROOT / "tests" / "data" / "quickstart-2026-11-23")
     assert result.exit_code == 1, result.output
     fired = [line.split(":")[0].strip() for line in result.stdout.splitlines()
              if line.startswith("  ") and not line.startswith("    ")]
