@@ -120,11 +120,11 @@ def main() -> None:
     if args.phases:
         print(model(*map(float, args.phases.split(","))))
         return
-    folder = workdir()
-    base = base_config(args, folder)
     variants = args.variants.split(",")
     if variants[0] != "sync" or not set(variants) <= {"sync", "ahead", "thread"}:
         parser.error("--variants: sync first (the baseline), then any of ahead, thread")
+    folder = workdir()
+    base = base_config(args, folder)
     pipes = {v: build(base, folder, v, args.set) for v in variants}
     times = {f"{v}/{k}": [] for v in pipes for k in ("step_s", *PHASES)}
     load = [os.getloadavg()[0]]
