@@ -23,11 +23,13 @@ import copy
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from peft import LoraConfig, get_peft_model
 
 from rlpipe.core.base.sources import resolve_package_model
 from rlpipe.core.models.critic_start import critic_from_reward_model
-from rlpipe.core.models.lm import ValueModel, load_causal_lm, load_tokenizer
+from rlpipe.core.models.lm import ValueModel, load_causal_lm, load_tokenizer, response_values
+from rlpipe.core.step.loss import explained_var, explained_var_sums
 from rlpipe.plugins.rewards.reward_model import load_classifier, load_rm_tokenizer, score_texts
 
 HERE = Path(__file__).resolve().parent
@@ -54,22 +56,22 @@ def sample(actor, tok, prompts: list[str], n: int, seed: int) -> list[dict]:
     return rollouts
 
 
-def explained_var(pred: torch.Tensor, target: torch.Tensor) -> float:
-    return (1 - (target - pred).var() / target.var()).item()
+def run_batch(rollouts: list[dict]):
+    """The four forward inputs as a run's batch holds them (prompts left-padded, responses
+    right-padded, with masks), and each rollout's score on every response token."""
+    def pad(rows: list[torch.Tensor], side: str) -> torch.Tensor:
+        return pad_sequence(rows, batch_first=True, padding_side=side)
+
+    prompts, responses = [r["prompt_ids"] for r in rollouts], [r["ids"] for r in rollouts]
+    inputs = (pad(prompts, "left"), pad([torch.ones(len(x), dtype=torch.bool) for x in prompts], "left"),
+              pad(responses, "right"), pad([torch.ones(len(x), dtype=torch.bool) for x in responses], "right"))
+    target = torch.tensor([r["score"] for r in rollouts])[:, None].expand(inputs[2].shape)
+    return inputs, target
 
 
-def padded(rollouts: list[dict], pad: int):
-    """Token ids, attention mask, the mask of the values that predict a response token (the
-    position before it), and each rollout's score on every position."""
-    width = max(len(r["prompt_ids"]) + len(r["ids"]) for r in rollouts)
-    ids = torch.full((len(rollouts), width), pad)
-    attention, scored = torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool)
-    for i, r in enumerate(rollouts):
-        n, p = len(r["prompt_ids"]) + len(r["ids"]), len(r["prompt_ids"])
-        ids[i, :n], attention[i, :n] = torch.cat([r["prompt_ids"], r["ids"]]), 1
-        scored[i, p - 1:n - 1] = True
-    target = torch.tensor([r["score"] for r in rollouts])[:, None].expand(ids.shape)
-    return ids, attention, scored, target
+def held_out_ev(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> float:
+    """``value/explained_var`` as a run computes it, over the true entries of ``mask``."""
+    return explained_var(explained_var_sums(pred, target, mask)).item()
 
 
 def main(argv=None) -> None:
@@ -99,9 +101,10 @@ def main(argv=None) -> None:
             texts = [tok.decode(r["ids"][:t], skip_special_tokens=True) for t in range(len(r["ids"]))]
             prefix.append(score_texts(rm, rm_tok, [r["prompt"]] * len(texts), texts))
             final.append(torch.full((len(texts),), r["score"]))
+        prefix, final = torch.cat(prefix), torch.cat(final)
     print(f"scores: mean {scores.mean():+.2f}, std {scores.std():.2f} over {len(rollouts)} rollouts")
     print(f"reward model re-run on every prefix, as a value: explained variance "
-          f"{explained_var(torch.cat(prefix), torch.cat(final)):+.2f} (held out)")
+          f"{held_out_ev(prefix, final, torch.ones_like(final, dtype=torch.bool)):+.2f} (held out)")
 
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
     if args.critic_from_rm:
@@ -112,24 +115,21 @@ def main(argv=None) -> None:
                             actor.config.hidden_size)
     params = [p for p in critic.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    test = padded(held_out, tok.pad_token_id)
-    with torch.no_grad():
-        values = critic(test[0], test[1], test[1].cumsum(-1) - 1)
-    print(f"step   0: held-out explained variance {explained_var(values[test[2]], test[3][test[2]]):+.2f}")
-    for step in range(1, args.steps + 1):
-        batch = [train[(step * 8 + k) % len(train)] for k in range(8)]
-        ids, attention, scored, target = padded(batch, tok.pad_token_id)
-        values = critic(ids, attention, attention.cumsum(-1) - 1)
-        loss = 0.5 * ((values - target)[scored] ** 2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+    test, test_target = run_batch(held_out)
+    for step in range(args.steps + 1):
+        if step:
+            inputs, target = run_batch([train[(step * 8 + k) % len(train)] for k in range(8)])
+            values = response_values(critic, *inputs)
+            loss = 0.5 * ((values - target)[inputs[3]] ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
         if step % 4 == 0:
             with torch.no_grad():
-                values = critic(test[0], test[1], test[1].cumsum(-1) - 1)
+                ev = held_out_ev(response_values(critic, *test), test_target, test[3])
             print(f"step {step:3d} ({step * 8 / len(train):.1f} passes over {len(train)} rollouts): "
-                  f"held-out explained variance {explained_var(values[test[2]], test[3][test[2]]):+.2f}")
+                  f"held-out explained variance {ev:+.2f}")
 
 
 if __name__ == "__main__":
