@@ -76,6 +76,7 @@ def check_config(cfg, conv) -> None:
     check_context(cfg)
     check_rollout_correction(cfg)
     check_advantage(cfg)
+    check_critic_pretrain(cfg)
     check_trackers(cfg.log)  # a missing tracker package: now, not after the models load
     cfg.health.resolved = load_rules(cfg.health, conv)
 
@@ -262,6 +263,29 @@ def check_staleness(cfg) -> None:
         raise UserError("data.dynamic_sampling collects again within a step, which "
                         "rollout.staleness: 1 (one collection per step, a step ahead) does not "
                         "do; use one of them")
+
+
+def check_critic_pretrain(cfg) -> None:
+    """``train.critic_pretrain_rollouts`` (`rlpipe.core.step.critic_pretrain`) needs a critic, raw
+    scores, one process and a reward that declares ``scores_prefixes``."""
+    if not cfg.train.critic_pretrain_rollouts:
+        return
+    key = "train.critic_pretrain_rollouts"
+    advantage = resolve_plugin(cfg.advantage, "advantages")
+    if not registry.declared("advantages", advantage.obj, "needs_critic"):
+        raise UserError(f"{key}: advantage {advantage.spec.label} reads no value, so this run "
+                        f"has no critic; set it to 0")
+    if cfg.reward.normalize:
+        raise UserError(f"{key}: reward.normalize rescales the scores as the run goes, so the "
+                        f"raw prefix scores are not the critic's target; turn one of them off")
+    if world_size(cfg.distributed) > 1:
+        raise UserError(f"{key}: runs in one process only for now; under torchrun use "
+                        f"train.critic_warmup_steps")
+    rewards = {r.key: resolve_plugin(r, "rewards").obj for r in cfg.rewards}
+    if rewards and not any(registry.declared("rewards", obj, "scores_prefixes")
+                           for obj in rewards.values()):
+        raise UserError(f"{key}: none of the rewards ({', '.join(rewards)}) scores partial "
+                        f"responses (declares scores_prefixes, as reward_model does)")
 
 
 def check_advantage(cfg) -> None:

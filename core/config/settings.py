@@ -236,6 +236,10 @@ class TrainConfig:
     critic_warmup_max_steps: int = num(50, ">= 1", "with critic_warmup_explained_var: at most "
                                                    "this many critic-only steps in all, "
                                                    "critic_warmup_steps included (not below it)")
+    critic_pretrain_rollouts: int = num(0, ">= 0", "before step 1 the critic regresses the "
+                                        "rewards' scores of every response prefix of this many "
+                                        "rollouts (rewards that declare scores_prefixes)")
+    critic_pretrain_epochs: int = num(3, ">= 1", "passes over the critic_pretrain_rollouts")
     max_bad_steps: int = num(3, ">= 1", "minibatches with a non-finite loss or gradient are "
                                         "skipped; this many in a row stop the run")
 

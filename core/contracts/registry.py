@@ -242,8 +242,10 @@ DECLARED = {
                    "record_actor_log_prob": None, "sampling_view": None},
     # read through rlpipe.core.step.loss.contract_of: None means LossContract()'s defaults
     "losses": {"contract": None, "set_kl": None},
-    # dataset columns a reward reads (checked against the data before the first step)
-    "rewards": {"columns": ()},
+    # columns: dataset columns a reward reads (checked against the data before the first step);
+    # scores_prefixes True: its score of a partial response estimates its score of the finished
+    # one (train.critic_pretrain_rollouts regresses the critic on it)
+    "rewards": {"columns": (), "scores_prefixes": False},
 }
 
 

@@ -35,7 +35,7 @@ from rlpipe.core.run.offpolicy import OffPolicy
 from rlpipe.core.config import compose
 from rlpipe.core.observe import console, samples
 from rlpipe.core.contracts import guards, registry
-from rlpipe.core.step import kl
+from rlpipe.core.step import critic_pretrain, kl
 from rlpipe.core.base import schema
 from rlpipe.core.step import rollout_correction as correction
 from rlpipe.core.config.settings import Config, load_config
@@ -264,6 +264,20 @@ class Pipeline(RunState):
         batch, metrics = groups.result()
         return batch, t_rollout, t_score, metrics
 
+    def _pretrain_critic(self) -> None:
+        """``train.critic_pretrain_rollouts``: the critic regresses the rewards' prefix scores of
+        rollouts of the initial policy (`rlpipe.core.step.critic_pretrain`)."""
+        if not self.cfg.train.critic_pretrain_rollouts:
+            return
+        self.models.actor.eval()
+        size = max(1, self.cfg.data.batch_size * self.sampling.samples_per_prompt
+                   // self.cfg.train.minibatches)
+        with self.models.compute():
+            critic_pretrain.pretrain(self.cfg.train, lambda: self._collect(self._prompt_rows()).to(self.device),
+                                     self.models.critic, self.updater.opts["critic"],
+                                     self.plugins.rewards, self.models.tokenizer, size,
+                                     self.cfg.run.seed, self.status.say)
+
     @oom.explains
     def step(self) -> tuple[TensorDict, dict]:
         """One PPO step; returns the batch and the step's metrics."""
@@ -328,6 +342,7 @@ class Pipeline(RunState):
             self._restore()
         with Hooks(self, default_callbacks(self, callbacks or ())) as hooks:
             if self.step_count == 0:
+                self._pretrain_critic()
                 hooks.step_end(None, {"step": 0})  # before any update: evaluation's row
             while self.step_count < self.cfg.run.steps and self.stopped_by is None:
                 batch, metrics = self.step()

@@ -68,10 +68,10 @@ class GroupFilter:
     def result(self) -> tuple[TensorDict, dict]:
         """The step's batch, ``groups`` groups (those with a signal first, in the order they were
         collected; flat ones only past the cap), and the ``data/*`` metrics."""
-        kept = [_first_groups(_concat(self.kept), self.groups)] if self.kept else []
+        kept = [_first_groups(concat_rounds(self.kept), self.groups)] if self.kept else []
         short = self.groups - _count_groups(kept)
-        topped = [_first_groups(_concat(self.flat), short)] if short > 0 and self.flat else []
-        batch = _concat(kept + topped)
+        topped = [_first_groups(concat_rounds(self.flat), short)] if short > 0 and self.flat else []
+        batch = concat_rounds(kept + topped)
         used_flat = _count_groups(topped)
         batch[S.GROUP_ID] = torch.unique(batch[S.GROUP_ID], return_inverse=True)[1]  # 0, 1, ...
         metrics = {"data/dropped_groups": self.n_kept + self.n_flat - _count_groups([batch]),
@@ -91,7 +91,7 @@ def _first_groups(td: TensorDict, k: int) -> TensorDict:
     return td[torch.isin(td[S.GROUP_ID], ids)]
 
 
-def _concat(parts: list[TensorDict]) -> TensorDict:
+def concat_rounds(parts: list[TensorDict]) -> TensorDict:
     """Rounds stacked along the batch: prompt tensors left-padded, response tensors (width of the
     round's ``response_ids``) right-padded, to the widest round, with zeros (masks mark the real
     tokens)."""

@@ -56,7 +56,13 @@ def sample(actor, tok, prompts: list[str], n: int, seed: int) -> list[dict]:
     return rollouts
 
 
-def run_batch(rollouts: list[dict]):
+def prefix_scores(rm, rm_tok, tok, r: dict) -> torch.Tensor:
+    """The reward model's score of every prefix of ``r``'s response (``ids[:t]``, t = 0 .. len - 1)."""
+    texts = [tok.decode(r["ids"][:t], skip_special_tokens=True) for t in range(len(r["ids"]))]
+    return score_texts(rm, rm_tok, [r["prompt"]] * len(texts), texts)
+
+
+def run_batch(rollouts: list[dict], key: str = "score"):
     """The four forward inputs as a run's batch holds them (prompts left-padded, responses
     right-padded, with masks), and each rollout's score on every response token."""
     def pad(rows: list[torch.Tensor], side: str) -> torch.Tensor:
@@ -65,7 +71,10 @@ def run_batch(rollouts: list[dict]):
     prompts, responses = [r["prompt_ids"] for r in rollouts], [r["ids"] for r in rollouts]
     inputs = (pad(prompts, "left"), pad([torch.ones(len(x), dtype=torch.bool) for x in prompts], "left"),
               pad(responses, "right"), pad([torch.ones(len(x), dtype=torch.bool) for x in responses], "right"))
-    target = torch.tensor([r["score"] for r in rollouts])[:, None].expand(inputs[2].shape)
+    if key == "score":
+        target = torch.tensor([r["score"] for r in rollouts])[:, None].expand(inputs[2].shape)
+    else:
+        target = pad([r[key] for r in rollouts], "right")
     return inputs, target
 
 
@@ -83,6 +92,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--critic-from-rm", action="store_true",
                         help="start the critic from --rm (a causal LM classifier)")
+    parser.add_argument("--target", choices=("score", "prefix"), default="score",
+                        help="train on the return (score) or on the reward model's prefix scores")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
 
@@ -96,12 +107,10 @@ def main(argv=None) -> None:
         for r, s in zip(rollouts, scores.tolist()):
             r["score"] = s
         train, held_out = rollouts[:-32], rollouts[-32:]
-        prefix, final = [], []
-        for r in held_out:
-            texts = [tok.decode(r["ids"][:t], skip_special_tokens=True) for t in range(len(r["ids"]))]
-            prefix.append(score_texts(rm, rm_tok, [r["prompt"]] * len(texts), texts))
-            final.append(torch.full((len(texts),), r["score"]))
-        prefix, final = torch.cat(prefix), torch.cat(final)
+        for r in (rollouts if args.target == "prefix" else held_out):
+            r["prefix"] = prefix_scores(rm, rm_tok, tok, r)
+        prefix = torch.cat([r["prefix"] for r in held_out])
+        final = torch.cat([torch.full((len(r["ids"]),), r["score"]) for r in held_out])
     print(f"scores: mean {scores.mean():+.2f}, std {scores.std():.2f} over {len(rollouts)} rollouts")
     print(f"reward model re-run on every prefix, as a value: explained variance "
           f"{held_out_ev(prefix, final, torch.ones_like(final, dtype=torch.bool)):+.2f} (held out)")
@@ -118,7 +127,8 @@ def main(argv=None) -> None:
     test, test_target = run_batch(held_out)
     for step in range(args.steps + 1):
         if step:
-            inputs, target = run_batch([train[(step * 8 + k) % len(train)] for k in range(8)])
+            inputs, target = run_batch([train[(step * 8 + k) % len(train)] for k in range(8)],
+                                      args.target)
             values = response_values(critic, *inputs)
             loss = 0.5 * ((values - target)[inputs[3]] ** 2).mean()
             optimizer.zero_grad()

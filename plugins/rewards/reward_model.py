@@ -124,6 +124,7 @@ class RewardModel(nn.Module):
     """
 
     in_keys = [PROMPT_TEXT, RESPONSE_TEXT]
+    scores_prefixes = True  # its score of a partial response says how the response is going
 
     def __init__(self, path: ModelPath, *, batch_size: int = 16, max_length: int = 512,
                  dtype: Literal["float32", "bfloat16"] = "float32", offload: bool = False,

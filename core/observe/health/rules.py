@@ -157,8 +157,9 @@ class ValueNotLearning(Rule):
     panel = "explained_var"
     remedy = ("the critic is not learning: raise train.critic_lr, give it train.critic_warmup_steps, "
               "loosen loss.value_clip (null for a fresh value head) or raise loss.vf_coef; a short "
-              "run on few rollouts may end before a fresh critic catches up, and a group "
-              "estimator (advantage.name: grpo or rloo, collector.n >= 2) needs none")
+              "run on few rollouts may end before a fresh critic catches up: pretrain it on the "
+              "reward model's prefix scores (train.critic_pretrain_rollouts), or use a group "
+              "estimator (advantage.name: grpo or rloo, collector.n >= 2), which needs none")
 
     def check(self, h: History) -> str | None:
         if h.step < self.after:
