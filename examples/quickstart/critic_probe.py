@@ -7,11 +7,14 @@ Monte-Carlo return (the score, at every response token) for ``--steps`` AdamW st
 rollouts. Every 4 steps it prints the explained variance on rollouts it never trains on. For
 scale, it also prints the explained variance of the reward model's own score of each response
 prefix (the reward model re-run on every prefix: a value that no per-token critic pays for).
-With ``--critic-from-rm`` the critic starts from ``--rm`` instead (backbone and score head, as
+With ``--target prefix`` it trains on the reward model's score of every prefix instead (what
+``train.critic_pretrain_rollouts`` does before a run's first step). With ``--critic-from-rm`` the
+critic starts from ``--rm`` instead (backbone and score head, as
 ``models.critic.from_reward_model``), which must then be a causal LM's classifier.
 
     rlpipe train-rm examples/quickstart/reward_model.yaml      # once
     python examples/quickstart/critic_probe.py --lr 1e-3 --steps 32
+    python examples/quickstart/critic_probe.py --target prefix --steps 48
 
 Not part of a run: a measurement for the quickstart README ("Why the critic does not learn").
 """

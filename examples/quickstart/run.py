@@ -6,9 +6,9 @@
 3. prints greedy before/after completions of the same prompts with their reward-model scores,
    writes plots of the run, and says where everything is.
 
-    python examples/quickstart/run.py          # about 11 minutes on 2 CPU cores
-    python examples/quickstart/run.py run.steps=2 data.batch_size=4 \
-        collector.max_new_tokens=8 --rm train.epochs=1                # a one-minute smoke test
+    python examples/quickstart/run.py          # about 6 minutes on 2 CPU cores
+    python examples/quickstart/run.py run.steps=2 data.batch_size=4 collector.max_new_tokens=8 \
+        train.critic_pretrain_rollouts=8 --rm train.epochs=1          # a one-minute smoke test
 
 Extra ``KEY=VALUE`` arguments override ``config.yaml`` (the PPO run); ``--rm KEY=VALUE`` overrides
 ``reward_model.yaml``. Everything lands under ``--output-dir`` (default ``runs/quickstart``).
