@@ -106,6 +106,7 @@ def test_run_pretrains_the_critic_before_step_one(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     (["advantage.name=grpo"], "reads no value"),
     (["reward.normalize=true"], "reward.normalize rescales"),
+    (["models.critic.shared_backbone=true"], "would move the policy"),
     ([], "none of the rewards (length, loop) scores partial"),
 ])
 def test_config_mistakes_are_one_line(overrides, message):

@@ -266,8 +266,8 @@ def check_staleness(cfg) -> None:
 
 
 def check_critic_pretrain(cfg) -> None:
-    """``train.critic_pretrain_rollouts`` (`rlpipe.core.step.critic_pretrain`) needs a critic, raw
-    scores and a reward that declares ``scores_prefixes``."""
+    """``train.critic_pretrain_rollouts`` (`rlpipe.core.step.critic_pretrain`) needs a critic of
+    its own, raw scores and a reward that declares ``scores_prefixes``."""
     if not cfg.train.critic_pretrain_rollouts:
         return
     key = "train.critic_pretrain_rollouts"
@@ -275,6 +275,10 @@ def check_critic_pretrain(cfg) -> None:
     if not registry.declared("advantages", advantage.obj, "needs_critic"):
         raise UserError(f"{key}: advantage {advantage.spec.label} reads no value, so this run "
                         f"has no critic; set it to 0")
+    if cfg.models.critic.shared_backbone:
+        raise UserError(f"{key}: models.critic.shared_backbone puts the value head on the actor's "
+                        f"own backbone, so pretraining the critic would move the policy; use a "
+                        f"critic of its own")
     if cfg.reward.normalize:
         raise UserError(f"{key}: reward.normalize rescales the scores as the run goes, so the "
                         f"raw prefix scores are not the critic's target; turn one of them off")

@@ -7,7 +7,7 @@ response is going (+0.31 of the quickstart's return). So before step 1 the criti
 prefix scores: ``train.critic_pretrain_rollouts`` rollouts of the initial policy, every response
 prefix scored by the rewards that declare ``scores_prefixes``, ``train.critic_pretrain_epochs``
 passes of minibatches as large as the update's, with the run's own critic optimizer (its AdamW
-moments carry into step 1; a fresh optimizer's first steps undid the pretraining). On the
+moments carry into step 1; a fresh optimizer's first steps set it back). On the
 quickstart the critic reached +0.16 held-out (``examples/quickstart/critic_probe.py --target
 prefix``). Unlike ``models.critic.from_reward_model``, any reward model serves, whatever its
 architecture and tokenizer: the text is scored again, no weights are shared.
