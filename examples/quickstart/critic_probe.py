@@ -26,14 +26,19 @@ import copy
 from pathlib import Path
 
 import torch
+from tensordict import NonTensorStack, TensorDict
 from torch.nn.utils.rnn import pad_sequence
 from peft import LoraConfig, get_peft_model
 
+from rlpipe.core.base import schema as S
 from rlpipe.core.base.sources import resolve_package_model
 from rlpipe.core.models.critic_start import critic_from_reward_model
 from rlpipe.core.models.lm import ValueModel, load_causal_lm, load_tokenizer, response_values
+from rlpipe.core.step.critic_pretrain import prefix_targets
 from rlpipe.core.step.loss import explained_var, explained_var_sums
-from rlpipe.plugins.rewards.reward_model import load_classifier, load_rm_tokenizer, score_texts
+from rlpipe.core.step.rewards import RewardComposer
+from rlpipe.plugins.rewards.reward_model import (RewardModel, load_classifier, load_rm_tokenizer,
+                                                 score_texts)
 
 HERE = Path(__file__).resolve().parent
 
@@ -59,10 +64,16 @@ def sample(actor, tok, prompts: list[str], n: int, seed: int) -> list[dict]:
     return rollouts
 
 
-def prefix_scores(rm, rm_tok, tok, r: dict) -> torch.Tensor:
-    """The reward model's score of every prefix of ``r``'s response (``ids[:t]``, t = 0 .. len - 1)."""
-    texts = [tok.decode(r["ids"][:t], skip_special_tokens=True) for t in range(len(r["ids"]))]
-    return score_texts(rm, rm_tok, [r["prompt"]] * len(texts), texts)
+def prefix_scores(scorer, tok, rollouts: list[dict]) -> None:
+    """Each rollout's ``"prefix"``: the reward model's score of every prefix of its response, as
+    ``train.critic_pretrain_rollouts`` computes it (`prefix_targets`)."""
+    inputs, _ = run_batch(rollouts)
+    batch = TensorDict({S.RESPONSE_IDS: inputs[2], S.RESPONSE_MASK: inputs[3],
+                        S.PROMPT_TEXT: NonTensorStack(*(r["prompt"] for r in rollouts))},
+                       batch_size=[len(rollouts)])
+    target = prefix_targets(batch, scorer, tok)
+    for i, r in enumerate(rollouts):
+        r["prefix"] = target[i, :len(r["ids"])]
 
 
 def run_batch(rollouts: list[dict], key: str = "score"):
@@ -110,8 +121,8 @@ def main(argv=None) -> None:
         for r, s in zip(rollouts, scores.tolist()):
             r["score"] = s
         train, held_out = rollouts[:-32], rollouts[-32:]
-        for r in (rollouts if args.target == "prefix" else held_out):
-            r["prefix"] = prefix_scores(rm, rm_tok, tok, r)
+        scorer = RewardComposer([("reward_model", 1.0, RewardModel(args.rm))])
+        prefix_scores(scorer, tok, rollouts if args.target == "prefix" else held_out)
         prefix = torch.cat([r["prefix"] for r in held_out])
         final = torch.cat([torch.full((len(r["ids"]),), r["score"]) for r in held_out])
     print(f"scores: mean {scores.mean():+.2f}, std {scores.std():.2f} over {len(rollouts)} rollouts")
