@@ -184,3 +184,14 @@ def test_cosine_schedule_reaches_zero_after_the_last_optimizer_step(warmup):
     got = lrs(cfg, total + 1)
     assert got == pytest.approx(expected, abs=1e-12)
     assert got[-1] == pytest.approx(0.0, abs=1e-12) and min(got[:-1]) > 0
+
+
+def test_cosine_schedule_ends_at_min_lr_ratio():
+    cfg = tiny("train.schedule=cosine", "train.min_lr_ratio=0.25", "train.warmup_steps=0",
+               "run.steps=2", "train.epochs=1", "train.minibatches=2")
+    total = 2 * 1 * 2
+    # verl's cosine with min_lr_ratio: floor + (1 - floor) * (1 + cos(pi t / T)) / 2
+    expected = [0.25 + 0.75 * 0.5 * (1 + math.cos(math.pi * i / total)) for i in range(total + 1)]
+    got = lrs(cfg, total + 1)
+    assert got == pytest.approx(expected, abs=1e-12)
+    assert got[0] == pytest.approx(1.0) and got[-1] == pytest.approx(0.25)

@@ -226,6 +226,8 @@ class TrainConfig:
     schedule: Literal["constant", "cosine"] = opt(
         "constant", "learning-rate schedule; cosine reaches 0 at the last optimizer step of "
                     "run.steps")
+    min_lr_ratio: float = num(0.0, "in [0, 1]", "cosine ends at this fraction of the learning "
+                                                "rate instead of 0 (verl's min_lr_ratio)")
     warmup_steps: int = num(0, ">= 0", "linear warm-up, in optimizer steps")
     target_kl: float | None = num(None, ">= 0", "stop a step's epochs once a minibatch's "
                                                 "approx-KL (policy/approx_kl for ppo) exceeds it; "

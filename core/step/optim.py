@@ -28,8 +28,8 @@ def make_optimizer(params: list, lr: float, weight_decay: float):
 
 
 def make_scheduler(optimizer, cfg):
-    """Linear warmup over ``train.warmup_steps`` optimizer steps, then constant or cosine to 0 at
-    the last optimizer step of ``run.steps``."""
+    """Linear warmup over ``train.warmup_steps`` optimizer steps, then constant or cosine down to
+    ``train.min_lr_ratio`` of the rate at the last optimizer step of ``run.steps``."""
     t = cfg.train
     total = max(1, cfg.run.steps * t.epochs * t.minibatches)
 
@@ -39,6 +39,7 @@ def make_scheduler(optimizer, cfg):
         if t.schedule == "constant":
             return 1.0
         progress = min(1.0, (it - t.warmup_steps) / max(1, total - t.warmup_steps))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
