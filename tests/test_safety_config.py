@@ -109,6 +109,9 @@ BAD = [
     (["collector.max_new_tokens=300"], "= 256 (default) + 300 = 556 tokens exceed the actor model's"),
     (["ptx.coef=0.1", f"ptx.data={TINY / 'prompts.txt'}", "ptx.max_tokens=300"],
      "ptx.max_tokens: 300 exceeds the actor model's context of 256 tokens"),
+    (["train.min_lr_ratio=0.1", "train.schedule=constant"],
+     "train.min_lr_ratio: the floor of the cosine schedule; set train.schedule: cosine"),
+    (["train.min_lr_ratio=1.5"], "train.min_lr_ratio: must be in [0, 1]"),
 ]
 
 

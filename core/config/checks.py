@@ -66,6 +66,9 @@ def check_config(cfg, conv) -> None:
         raise UserError(f"rewards: duplicate reward names {labels}; give repeated plugins a `label`")
     if cfg.ptx.coef > 0 and cfg.ptx.data is None:
         raise UserError("ptx.data: required when ptx.coef > 0")
+    if cfg.train.min_lr_ratio > 0 and cfg.train.schedule != "cosine":
+        raise UserError("train.min_lr_ratio: the floor of the cosine schedule; set "
+                        "train.schedule: cosine, or leave it at 0")
     check_rendezvous(cfg.distributed)
     if cfg.models.autocast != "none" and cfg.distributed.bf16:
         raise UserError("models.autocast: distributed.bf16 already computes in bf16 (FSDP mixed "
