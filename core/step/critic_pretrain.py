@@ -72,9 +72,7 @@ def prefix_targets(batch: TensorDict, scorer: RewardComposer, tokenizer) -> torc
     prefixes = TensorDict({S.PROMPT_TEXT: NonTensorStack(*prompts),
                            S.RESPONSE_TEXT: NonTensorStack(*tokenizer.batch_decode(
                                rows, skip_special_tokens=True))}, batch_size=[len(rows)])
-    scores = scorer.weighted(prefixes)
-    if scorer.clip is not None:
-        scores = scores.clamp(-scorer.clip, scorer.clip)
+    scores = scorer.evaluate(prefixes)[S.SCORE]  # weighted and clipped, never normalised
     target = torch.zeros(mask.shape, device=mask.device)
     target[mask] = scores.to(mask.device)
     return target
