@@ -123,6 +123,21 @@ REFUSED = {
 }
 
 
+def test_safetensors_temporary_files_are_rlpipes_own(tmp_path):
+    """safetensors writes each file as ``.tmpXXXXXX`` and renames it: in a checkpoint being
+    saved (seen by a second ``rlpipe run --overwrite`` while the first saves) or left by a kill,
+    it is the run's own, so --overwrite and --resume take the run; elsewhere it stays foreign."""
+    run_dir = fake_run(tmp_path / "run")
+    for inner in ("checkpoints/.tmp-step-000002/.tmpQC5dxA", "checkpoints/step-000001/.tmp82m2te",
+                  "checkpoints/step-000001/policy/.tmp8auUFu", "final/.tmpab12cd"):
+        (run_dir / inner).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / inner).write_bytes(b"partial")
+    assert rundir.state(run_dir, rundir.RUN_LAYOUT) == "run"
+    (run_dir / ".tmpZZZZZZ").write_text("the user's\n")  # the run folder itself: never written
+    assert rundir.state(run_dir, rundir.RUN_LAYOUT) == ("foreign: it holds .tmpZZZZZZ, which "
+                                                        "rlpipe does not write")
+
+
 @pytest.mark.parametrize("case", REFUSED)
 def test_refused_output_dirs_change_nothing(case, world, harness):
     target, flags, fragments = REFUSED[case]

@@ -53,11 +53,14 @@ class Layout:
 
 
 STEP_DIGITS = "[0-9]" * 6   # checkpoints/step-000042 (`rlpipe.core.run.checkpoint.STEP`)
+# safetensors writes each file as .tmpXXXXXX beside it, then renames it: there while a save
+# runs (another process may look then), and left behind by a kill
+SAFETENSORS_TMP = ".tmp*"
 # what save_pretrained writes for a model, its tokenizer or a peft adapter
 HF_FOLDER = ("config.json", "generation_config.json", "model*.safetensors",
              "model.safetensors.index.json", "pytorch_model*.bin", "tokenizer*",
              "special_tokens_map.json", "vocab*", "merges.txt", "added_tokens.json", "*.model",
-             "chat_template.*", "adapter_*", "README.md")
+             "chat_template.*", "adapter_*", "README.md", SAFETENSORS_TMP)
 RUN_LAYOUT = Layout(
     "run", "run directory",
     (MARKER, LOCK, "config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "final",
@@ -66,14 +69,14 @@ RUN_LAYOUT = Layout(
      "samples"),
     (MARKER, LOCK, "config.yaml", "metrics.jsonl", "tensorboard", "wandb", "samples"),
     # tensorboard/ and wandb/ are those libraries' own, .tmp-final/ a cut `publish`: not looked
-    # into; final/.tmp*: a save_pretrained cut by a kill before rlpipe published final/ whole
-    (("final", (*HF_FOLDER, ".tmp*")),
+    # into
+    (("final", HF_FOLDER),
      ("samples", ("step-*.jsonl", "eval-step-*.jsonl", "*.jsonl.tmp")),
      ("report", ("*.png", "samples.md")),
      ("checkpoints", tuple(f"{kind}step-{STEP_DIGITS}{more}/" for kind in ("", ".tmp-", ".trash-")
                            for more in ("", "[0-9]"))),   # step-NNNNNN (to 9 999 999 steps)
-     ("checkpoints/*", ("COMPLETE", "manifest.json", "state.pt", "*.safetensors", "policy/",
-                        "dcp/")),
+     ("checkpoints/*", ("COMPLETE", "manifest.json", "state.pt", "*.safetensors", SAFETENSORS_TMP,
+                        "policy/", "dcp/")),
      ("checkpoints/*/policy", HF_FOLDER),
      ("checkpoints/*/dcp", ("*.distcp", ".metadata*"))))
 RM_LAYOUT = Layout(  # rlpipe train-rm: a save_pretrained classifier, its tokenizer, metrics.jsonl
