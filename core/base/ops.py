@@ -13,6 +13,8 @@ An empty mask gives 0, never NaN.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -77,20 +79,22 @@ GPU_CHUNK_ELEMENTS = 1 << 25
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, start: int, temperature: float = 1.0,
-                   with_entropy: bool = False, entropy_grad: bool = False):
+                   with_entropy: bool = False, entropy_grad: bool = False, compiled: bool = False):
     """``log softmax(logits[:, start + t] / temperature)[ids[:, t]]`` for each of the
     ``R = ids.shape[1]`` positions, [B, R] float32, and optionally the entropy of each of those
     distributions. The same numbers as ``log_softmax(...).gather(...)`` (the same per-row
     kernels), computed chunk by chunk over rows: no [B, R, vocab] tensor is made besides
     ``logits`` itself and, in backward, its gradient (written straight into one buffer of
-    ``logits``' shape). The entropy has a gradient only with ``entropy_grad``.
+    ``logits``' shape). The entropy has a gradient only with ``entropy_grad``. ``compiled``: each
+chunk's passes run as the kernels ``torch.compile`` fuses them into (``models.compile_logprobs``;
+float32 round-off apart, the same numbers).
 
     >>> logits = torch.tensor([[[0.0, 1.0, 2.0], [1.0, 1.0, 1.0], [5.0, 0.0, 0.0]]])
     >>> logp, ent = token_logprobs(logits, torch.tensor([[2, 0]]), start=0, with_entropy=True)
     >>> logp.shape, round(ent[0, 1].item(), 4), round(float(torch.log(torch.tensor(3.0))), 4)
     (torch.Size([1, 2]), 1.0986, 1.0986)
     """
-    logp, entropy = _TokenLogprobs.apply(logits, ids, start, temperature, with_entropy)
+    logp, entropy = _TokenLogprobs.apply(logits, ids, start, temperature, with_entropy, compiled)
     if with_entropy and not (entropy_grad and torch.is_grad_enabled()):
         entropy = entropy.detach()
     return logp, (entropy if with_entropy else None)
@@ -112,48 +116,89 @@ def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
     return x / temperature if temperature != 1.0 else x
 
 
+def _chunk_forward(x: torch.Tensor, ids: torch.Tensor, temperature: float, with_entropy: bool):
+    """One chunk's ``(log-probs of ids, entropy or None)``; ``x`` [n, vocab], ``ids`` [n]."""
+    x = _scaled(x, temperature)
+    logp = torch.log_softmax(x, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    logz = torch.logsumexp(x, dim=-1, keepdim=True)  # log Z - sum p x: no second softmax copy
+    return logp, logz.squeeze(-1) - (torch.exp(x - logz) * x).sum(-1)
+
+
+def _chunk_backward(x: torch.Tensor, ids: torch.Tensor, grad_logp: torch.Tensor,
+                    entropy: torch.Tensor, grad_entropy: torch.Tensor | None, temperature: float):
+    """One chunk's gradient with respect to ``x``, in ``x``'s dtype: autograd's own backward of
+    gather then log_softmax, plus the entropy's ``-p (log p + H)`` where it has a gradient."""
+    lsm = torch.log_softmax(_scaled(x, temperature), dim=-1)
+    onehot = torch.zeros_like(lsm).scatter_(-1, ids.unsqueeze(-1), grad_logp.unsqueeze(-1))
+    chunk = torch.ops.aten._log_softmax_backward_data(onehot, lsm, -1, lsm.dtype)
+    if grad_entropy is not None:
+        chunk = chunk - torch.exp(lsm) * (lsm + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
+    if temperature != 1.0:
+        chunk = chunk / temperature
+    return chunk.to(x.dtype)
+
+
+@functools.cache
+def _compiled() -> tuple:
+    """`_chunk_forward` and `_chunk_backward` under ``torch.compile`` (built on first use; shapes
+    dynamic, so chunks of every size share one kernel each)."""
+    return (torch.compile(_chunk_forward, dynamic=True),
+            torch.compile(_chunk_backward, dynamic=True))
+
+
+def _kernels(compiled: bool) -> tuple:
+    return _compiled() if compiled else (_chunk_forward, _chunk_backward)
+
+
+def check_compiled(device: torch.device, dtype: torch.dtype) -> None:
+    """Build `token_logprobs`' compiled kernels for ``device`` and ``dtype`` now, on three
+    positions, forward and backward, with and without the entropy: where ``torch.compile``
+    cannot run (no C++ compiler, no Triton) this raises before any model runs."""
+    logits = torch.zeros(1, 4, 8, device=device, dtype=dtype, requires_grad=True)
+    ids = torch.zeros(1, 3, dtype=torch.long, device=device)
+    with torch.no_grad():
+        token_logprobs(logits, ids, 1, compiled=True)
+    logp, entropy = token_logprobs(logits, ids, 1, with_entropy=True, entropy_grad=True,
+                                   compiled=True)
+    (logp.sum() + entropy.sum()).backward()
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """Forward and backward of `token_logprobs`; backward recomputes each chunk's softmax."""
 
     @staticmethod
-    def forward(ctx, logits, ids, start, temperature, with_entropy):
+    def forward(ctx, logits, ids, start, temperature, with_entropy, compiled):
         B, R = ids.shape
         logp = logits.new_empty((B, R), dtype=torch.float32)
         entropy = logits.new_zeros((B, R), dtype=torch.float32)
+        kernel = _kernels(compiled)[0]
         for b, t, pos in _chunks(logits, ids, start):
-            x = _scaled(logits[b, pos], temperature)
-            lsm = torch.log_softmax(x, dim=-1)
-            logp[b, t] = lsm.gather(-1, ids[b, t].unsqueeze(-1)).squeeze(-1)
-            if with_entropy:  # log Z - sum p x: no second full-vocab softmax copy
-                logz = torch.logsumexp(x, dim=-1, keepdim=True)
-                entropy[b, t] = logz.squeeze(-1) - (torch.exp(x - logz) * x).sum(-1)
+            logp[b, t], ent = kernel(logits[b, pos], ids[b, t], temperature, with_entropy)
+            if with_entropy:
+                entropy[b, t] = ent
         ctx.save_for_backward(logits, ids, entropy)
-        ctx.start, ctx.temperature = start, temperature
+        ctx.start, ctx.temperature, ctx.compiled = start, temperature, compiled
         ctx.mark_non_differentiable(ids)
+        ctx.set_materialize_grads(False)  # an entropy without a graph: no pass for its zeros
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, ids, entropy = ctx.saved_tensors
-        t_ = ctx.temperature
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(entropy)
+        kernel = _kernels(ctx.compiled)[1]
         grad = torch.empty_like(logits)
         R = ids.shape[1]
         grad[:, :ctx.start].zero_()  # positions that were not scored
         grad[:, ctx.start + R:].zero_()
         for b, t, pos in _chunks(logits, ids, ctx.start):
-            x = _scaled(logits[b, pos], t_)
-            lsm = torch.log_softmax(x, dim=-1)
-            # autograd's own backward of gather then log_softmax, on this chunk alone
-            onehot = torch.zeros_like(lsm).scatter_(-1, ids[b, t].unsqueeze(-1),
-                                                    grad_logp[b, t].unsqueeze(-1))
-            chunk = torch.ops.aten._log_softmax_backward_data(onehot, lsm, -1, lsm.dtype)
-            if grad_entropy is not None:  # dH / dx = -p * (log p + H)
-                h = entropy[b, t].unsqueeze(-1)
-                chunk -= torch.exp(lsm) * (lsm + h) * grad_entropy[b, t].unsqueeze(-1)
-            if t_ != 1.0:
-                chunk = chunk / t_
-            grad[b, pos] = chunk
-        return grad, None, None, None, None
+            grad[b, pos] = kernel(logits[b, pos], ids[b, t], grad_logp[b, t], entropy[b, t],
+                                  None if grad_entropy is None else grad_entropy[b, t],
+                                  ctx.temperature)
+        return grad, None, None, None, None, None
 
 
 def trim_padding(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,

@@ -118,6 +118,8 @@ class ModelsConfig:
                                     "reused; same numbers, fewer tokens (performance.md)")
     packed: bool = opt(True, "rows run without their padding, packed into one sequence with "
                              "attention within each row; same numbers (performance.md)")
+    compile_logprobs: bool = opt(False, "token log-probs and their backward as kernels "
+                                        "torch.compile fuses (performance.md)")
 
 
 @dataclass

@@ -212,6 +212,7 @@ class Models:
     autocast: torch.dtype | None = None     # set: forwards run under torch.autocast (models.autocast)
     shared_prefix: bool = False             # run a shared prompt prefix once (models.shared_prefix)
     packed: bool = False                    # rows without their padding (models.packed)
+    compile_logprobs: bool = False          # token log-probs as compiled kernels (models.compile_logprobs)
 
     def compute(self):
         """The context every forward of actor, critic and reference runs in: ``torch.autocast``
@@ -298,7 +299,7 @@ def _forward(model, prefill, inputs: list, cache_arg: str | None, packed: bool,
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                       temperature: float = 1.0, with_entropy: bool = False,
                       entropy_grad: bool = True, truncation=None, shared_prefix: bool = False,
-                      packed: bool = False):
+                      packed: bool = False, compiled: bool = False):
     """log pi(a_t|s_t) for each response token, [B, R] float32 (0 on padding), and optionally
     the per-token entropy (without a graph when ``entropy_grad`` is False: a metric only, which
     spares autograd a saved [B, R, vocab] tensor). Temperature 0 (greedy) scores with
@@ -306,15 +307,16 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     sampler's top-k / top-p distribution, renormalised (the entropy stays the full one's).
     Columns that are padding in every row are not run (`trim_padding`); with ``shared_prefix``,
     prompt tokens every row begins with run once (`rlpipe.core.models.prefix`); with ``packed``, rows
-    run without their padding (`rlpipe.core.models.packing`)."""
+    run without their padding (`rlpipe.core.models.packing`); ``compiled``: `token_logprobs`' kernels
+    under ``torch.compile``."""
     logp, entropy, _ = _response_logprobs(model, [prompt_ids, prompt_mask, response_ids,
                                                   response_mask], temperature, with_entropy,
-                                          entropy_grad, truncation, shared_prefix, packed)
+                                          entropy_grad, truncation, shared_prefix, packed, compiled)
     return logp, entropy
 
 
 def _response_logprobs(model, inputs, temperature, with_entropy, entropy_grad, truncation,
-                       shared_prefix, packed):
+                       shared_prefix, packed, compiled):
     """`response_logprobs`, and the `packing.Rows` it ran (None: the padded rows)."""
     width = inputs[2].shape[1]
     prompt_ids, prompt_mask, response_ids, response_mask = inputs = trim_padding(*inputs)
@@ -328,7 +330,7 @@ def _response_logprobs(model, inputs, temperature, with_entropy, entropy_grad, t
         logits, ids = out.logits, response_ids
         start = logits.shape[1] - (R + 1)
     scale = temperature if temperature > 0 else 1.0
-    logp, entropy = token_logprobs(logits, ids, start, scale, with_entropy, entropy_grad)
+    logp, entropy = token_logprobs(logits, ids, start, scale, with_entropy, entropy_grad, compiled)
     if truncation is not None:  # the kept set needs the whole [B, R, vocab] slice
         logp = truncation.log_prob(logits[:, start:start + ids.shape[1]].float() / scale, ids)
     if rows is not None:
@@ -354,12 +356,13 @@ def response_values(critic: ValueModel, prompt_ids, prompt_mask, response_ids, r
 
 def logprobs_and_values(actor, critic: ValueModel | None, inputs: list, temperature: float = 1.0,
                         with_entropy: bool = False, entropy_grad: bool = True, truncation=None,
-                        shared_prefix: bool = False, packed: bool = False):
+                        shared_prefix: bool = False, packed: bool = False, compiled: bool = False):
     """``(log_prob, entropy, value)`` of `response_logprobs` and `response_values` (value None
     without a critic). A critic on the actor's own backbone costs no second pass: its values are
     read from the backbone output of the actor's forward (a forward hook)."""
     kwargs = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                  truncation=truncation, shared_prefix=shared_prefix, packed=packed)
+                  truncation=truncation, shared_prefix=shared_prefix, packed=packed,
+                  compiled=compiled)
     if critic is None or not critic.shared:
         logp, entropy = response_logprobs(actor, *inputs, **kwargs)
         return logp, entropy, (None if critic is None else response_values(

@@ -21,6 +21,7 @@ from rlpipe.core.config.compose import save_config
 from rlpipe.core.config.settings import Config
 from rlpipe.core.config.checks import collector_contract, resolve_plugin
 from rlpipe.core.data.prompts import PromptData, load_prompt_data
+from rlpipe.core.base import ops
 from rlpipe.core.base.context import RunContext
 from rlpipe.core.models.critic_start import critic_from_reward_model
 from rlpipe.core.base.errors import UserError, writing
@@ -176,6 +177,8 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
         enable_checkpointing(actor)
     if critic is not None and critic_cfg.gradient_checkpointing:
         enable_checkpointing(critic)
+    if cfg.models.compile_logprobs:
+        _check_compile(device, _DTYPES[actor_cfg.dtype])
     offload = _check_offload(cfg, reference)
     if offload:
         reference.to("cpu")  # it visits `device` only inside Models.reference()
@@ -184,7 +187,18 @@ def build_models(cfg: Config, device: torch.device, need_critic: bool) -> Models
     # KV cache is not among the outputs FSDP2 hooks to unshard the block again for backward
     shared = cfg.models.shared_prefix and cfg.distributed.nproc == 1
     return Models(actor, reference, critic, tokenizer, device if offload else None, autocast,
-                  shared, cfg.models.packed)
+                  shared, cfg.models.packed, cfg.models.compile_logprobs)
+
+
+def _check_compile(device: torch.device, dtype: torch.dtype) -> None:
+    """``models.compile_logprobs``: the kernels compile now, or one line says why not."""
+    try:
+        ops.check_compiled(device, dtype)
+    except Exception as exc:  # inductor's errors have no common base class
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"models.compile_logprobs: torch.compile cannot build the log-prob "
+                        f"kernels here ({type(exc).__name__}: {first[:200]}); set "
+                        f"models.compile_logprobs: false") from None
 
 
 def _check_offload(cfg: Config, reference) -> bool:

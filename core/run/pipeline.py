@@ -178,7 +178,7 @@ class Pipeline(RunState):
         else:
             outs = [logprobs_and_values(m.actor, m.critic, c, self.temperature,
                                         truncation=self.truncation, shared_prefix=m.shared_prefix,
-                                        packed=m.packed)
+                                        packed=m.packed, compiled=m.compile_logprobs)
                     for c in chunks]
             td[S.OLD_LOG_PROB] = torch.cat([logp for logp, _, _ in outs])
             values = [v for _, _, v in outs] if m.critic is not None else []
@@ -186,7 +186,7 @@ class Pipeline(RunState):
         with m.reference() as reference:  # one visit of an offloaded reference per step
             td[S.REF_LOG_PROB] = torch.cat([
                 response_logprobs(reference, *c, self.temperature, shared_prefix=m.shared_prefix,
-                                  packed=m.packed)[0]
+                                  packed=m.packed, compiled=m.compile_logprobs)[0]
                 for c in chunks])
 
     def _engine_gap(self, batch: TensorDict) -> dict:

@@ -123,7 +123,8 @@ def sample_and_score(pipe) -> Mismatch:
         batch[S.OLD_LOG_PROB] = torch.cat([
             response_logprobs(pipe.models.actor, *c, pipe.temperature, truncation=pipe.truncation,
                               shared_prefix=pipe.models.shared_prefix,
-                              packed=pipe.models.packed)[0]
+                              packed=pipe.models.packed,
+                              compiled=pipe.models.compile_logprobs)[0]
             for c in chunks])
     batch = pipe.dist.gather(batch)
     return measure(batch[S.ENGINE_LOG_PROB], batch[S.OLD_LOG_PROB], batch[S.RESPONSE_MASK])

@@ -68,7 +68,7 @@ class Updater:
             m.actor, None if split else m.critic, inputs, self.temperature,
             with_entropy=need.entropy != "none", entropy_grad=need.entropy == "grad",
             truncation=self.truncation, shared_prefix=m.shared_prefix,
-            packed=m.packed)
+            packed=m.packed, compiled=m.compile_logprobs)
         micro[S.LOG_PROB] = logp
         if entropy is not None:
             micro[S.ENTROPY] = entropy
