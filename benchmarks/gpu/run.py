@@ -1,7 +1,7 @@
-"""Every GPU figure of issue 22 in one run of at most ~10 minutes (each part within its own
-limit, `LIMIT_S`); results as JSON, written after each part.
+"""Every GPU figure of issue 36 in runs of at most ~10 minutes (each part within its own limit,
+`LIMIT_S`); results as JSON, written after each part.
 
-    python benchmarks/gpu/run.py                 # on a CUDA machine -> benchmarks/results/gpu_<device>.json
+    python benchmarks/gpu/run.py --parts variants,logprobs,static   # one call: MFU, then decoding
     python benchmarks/gpu/run.py --smoke         # on CPU: tiny sizes, every code path, nothing kept
 
 On the lent GPU machine (no network; torch, transformers, peft, accelerate installed), from the
@@ -15,7 +15,7 @@ importlib_metadata, datasets 5.2.0, dill, multiprocess, fsspec, and transformers
 
 The CUDA test suite is a separate command; ``-vv`` (the ``-q`` in ``addopts`` cancels one ``-v``)
 names each test as it ends, so a run cut by the session's limit still says which failed (the
-suite took more than 270 s with 15 workers on the H200, 2026-11-26):
+suite took more than 300 s with 15 workers on the H100, 2026-11-27, and reached 98%):
 
     RLPIPE_TEST_DEVICE=cuda python3 -m pytest -n 15 --timeout 100 -p no:benchmark -vv --tb=line
 
@@ -27,19 +27,22 @@ Parts (each in a fresh process, so no allocator state carries over):
    (actor, reference, critic forwards), rewards, the PPO update and weight sync; generation
    tokens/s with the dynamic and with a static KV cache; update-phase MFU = 6 x trainable params
    x tokens through the update / time / peak dense bf16 FLOP/s (989 TFLOP/s for H100 and H200
-   SXM, the number we use); the update again with `ops.token_logprobs`' CPU-sized and GPU-sized
-   chunks (``update_chunks``); then the update once more under `torch.profiler` (its costliest
+   SXM, the number we use); then the update once more under `torch.profiler` (its costliest
    operators, ``update_profile``).
-2. ``memory``: `benchmarks/memory.py` at the Qwen2.5-1.5B architecture with a reward model of the
+2. ``variants``: the same update with each MFU change on and off, alternating (`variants`):
+   ``models.compile_logprobs``, compiled decoder blocks, both; their MFU and the profile of both.
+3. ``logprobs``: `benchmarks/logprobs.py` on the device: rlpipe's log-prob kernels, eager and
+   compiled, against the textbook ``log_softmax`` and TRL's row loop at the update's micro-batch.
+4. ``static``: part 1 with the ``hf`` collector on ``cache: static`` (transformers compiles the
+   decoding step on CUDA): generation through rlpipe's collector and the whole step with it.
+5. ``memory``: `benchmarks/memory.py` at the Qwen2.5-1.5B architecture with a reward model of the
    same architecture: full copies against LoRA, a shared-backbone critic, activation
    checkpointing and reference + reward-model offload.
-3. ``tiny``: the tiny example's ``metrics.jsonl`` on CUDA against CPU (10 steps): the largest
+6. ``tiny``: the tiny example's ``metrics.jsonl`` on CUDA against CPU (10 steps): the largest
    absolute difference of every metric, against a stated tolerance.
 
-``static`` is part 1 again with the ``hf`` collector on ``cache: static`` (transformers compiles
-the decoding step on CUDA), after ``phases``. ``--parts`` picks parts and their order: the four
-took about 8 minutes on an H200 after the first call's start, more than a 15-minute device
-session leaves beside the test suite.
+``--parts`` picks parts and their order. All six take more than one 10-minute call; phases,
+static, memory and tiny took about 8 minutes on an H200 after the first call's start.
 """
 
 from __future__ import annotations
@@ -58,15 +61,16 @@ sys.path.insert(0, str(HERE.parent))
 ROOT = HERE.parents[1]
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # dense, SXM
 TINY_TOLERANCE = 1e-3   # |cuda - cpu| of a per-step metric over 10 steps, as tests/test_gpu.py
-LIMIT_S = {"phases": 240, "memory": 240, "tiny": 90}   # the first H100 run needed > 10 min in all
-PARTS = ("phases", "static", "memory", "tiny")
+LIMIT_S = {"phases": 240, "variants": 300, "logprobs": 120, "memory": 240, "tiny": 90}
+PARTS = ("phases", "variants", "logprobs", "static", "memory", "tiny")
+ROUNDS = 2   # alternating rounds of the update variants
 
 
 def phases(args) -> dict:
     """Part 1, in this process: the step's phases, timed and with their peak memory."""
     import torch
 
-    from common import build_pipeline, count_params, make_assets, make_config, memory_mib, reset_peak
+    from common import build_pipeline, make_assets, make_config, memory_mib, reset_peak
 
     folder = make_assets(Path(tempfile.mkdtemp()), args.size)
     cfg = make_config(folder, batch=args.batch, new_tokens=args.new_tokens, device=args.device,
@@ -95,40 +99,88 @@ def phases(args) -> dict:
     batch, metrics = pipe.step()
     tokens = int(batch["response_mask"].sum())
     rows["generate"]["tokens_per_s"] = tokens / rows["generate"]["s"]
-    trainable = sum(count_params(m, trainable=True) for m in (pipe.models.actor, pipe.models.critic))
-    seq_tokens = int(batch["prompt_mask"].sum()) + tokens   # every token goes through the update
-    flops = 6 * trainable * seq_tokens * cfg.train.epochs
-    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    update = {"trainable_params": trainable, "tokens": seq_tokens, "epochs": cfg.train.epochs,
-              "flops": flops, "tflops_per_s": flops / rows["update"]["s"] / 1e12,
-              "peak_bf16_tflops_used": peak / 1e12 if peak else None,
-              "mfu": flops / rows["update"]["s"] / peak if peak else None}
+    update = update_flops(pipe, batch)
+    update.update(mfu(update, rows["update"]["s"], args.device))
+    name = update["device_name"]
     return {"device_name": name, "size": args.size, "batch": args.batch, "cache": args.cache,
             "new_tokens": args.new_tokens, "dtype": args.dtype, "phases": rows, "update": update,
             "kv_cache": kv_cache(pipe, batch, args), "step_metrics": metrics,
-            "update_chunks": update_chunks(pipe, batch, args),
             "update_profile": profile_update(pipe, batch, args)}
 
 
-def update_chunks(pipe, batch, args) -> dict:
-    """The update of ``batch`` timed with `ops.token_logprobs`' CPU-sized chunks and with its
-    GPU-sized ones (the default off the CPU since 2026-11-26, unmeasured until this part ran),
-    alternating twice: seconds per update, best of two."""
-    from common import sync
-    from rlpipe.core.base import ops
+def update_flops(pipe, batch) -> dict:
+    """The update's model FLOPs: 6 x trainable parameters (actor and critic) x every token of
+    ``batch`` (prompt and response: all go through the update) x epochs."""
+    from common import count_params
 
-    gpu, out = ops.GPU_CHUNK_ELEMENTS, {}
-    for _ in range(2):
-        for label, size in (("cpu_sized", ops.CHUNK_ELEMENTS), ("gpu_sized", gpu)):
-            ops.GPU_CHUNK_ELEMENTS = size
-            sync(args.device)
-            start = time.perf_counter()
-            type(pipe.updater).update(pipe.updater, batch)
-            sync(args.device)
-            out[label] = min(out.get(label, float("inf")), time.perf_counter() - start)
-    ops.GPU_CHUNK_ELEMENTS = gpu
-    return {**out, "cpu_elements": ops.CHUNK_ELEMENTS, "gpu_elements": gpu}
+    trainable = sum(count_params(m, trainable=True) for m in (pipe.models.actor, pipe.models.critic))
+    tokens = int(batch["prompt_mask"].sum()) + int(batch["response_mask"].sum())
+    epochs = pipe.cfg.train.epochs
+    return {"trainable_params": trainable, "tokens": tokens, "epochs": epochs,
+            "flops": 6 * trainable * tokens * epochs}
+
+
+def mfu(update: dict, seconds: float, device: str) -> dict:
+    """TFLOP/s and MFU of an update of ``update['flops']`` that took ``seconds``, against the
+    device's dense bf16 peak (`PEAK_BF16`; None where it is not listed)."""
+    import torch
+
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return {"device_name": name, "tflops_per_s": update["flops"] / seconds / 1e12,
+            "peak_bf16_tflops_used": peak / 1e12 if peak else None,
+            "mfu": update["flops"] / seconds / peak if peak else None}
+
+
+def variants(args) -> dict:
+    """Part ``variants`` (its own process): the update of one batch, the workload of ``phases``,
+    with each MFU change on and off, alternating, best of ``ROUNDS``: ``eager``;
+    ``compiled_logprobs`` (``models.compile_logprobs``); ``compiled_blocks`` (each decoder
+    block of actor and critic under ``torch.compile(dynamic=True)``, not yet a config key);
+    ``both``. The first call of each is reported apart (compilation). The rollout uses the static
+    KV cache: generation is not measured here. Then the profile of ``both``."""
+    import torch
+
+    from common import build_pipeline, make_assets, make_config, sync
+    from rlpipe.core.models.distributed import _blocks
+
+    folder = make_assets(Path(tempfile.mkdtemp()), args.size)
+    cfg = make_config(folder, batch=args.batch, new_tokens=args.new_tokens, device=args.device,
+                      dtype=args.dtype, epochs=1, minibatches=2, collector={"cache": "static"})
+    pipe = build_pipeline(cfg)
+    pipe.step()
+    batch, _ = pipe.step()
+    m = pipe.models
+    blocks = [b for model in (m.actor, m.critic) for b in _blocks(model)]
+
+    def update(logprobs: bool, compiled_blocks: bool) -> float:
+        m.compile_logprobs = logprobs
+        for block, impl in zip(blocks, impls):
+            block._compiled_call_impl = impl if compiled_blocks else None
+        sync(args.device)
+        start = time.perf_counter()
+        type(pipe.updater).update(pipe.updater, batch)
+        sync(args.device)
+        return time.perf_counter() - start
+
+    impls = [None] * len(blocks)
+    out = {name: {"first_s": update(lp, False)} for name, lp in (("eager", False),
+                                                                   ("compiled_logprobs", True))}
+    for block in blocks:
+        block.compile(dynamic=True)
+    impls = [block._compiled_call_impl for block in blocks]
+    out.update({name: {"first_s": update(lp, True)} for name, lp in (("compiled_blocks", False),
+                                                                       ("both", True))})
+    settings = {"eager": (False, False), "compiled_logprobs": (True, False),
+                "compiled_blocks": (False, True), "both": (True, True)}
+    for _ in range(ROUNDS):
+        for name, (lp, cb) in settings.items():
+            out[name]["s"] = min(out[name].get("s", float("inf")), update(lp, cb))
+    flops = update_flops(pipe, batch)
+    for row in out.values():
+        row.update(mfu(flops, row["s"], args.device))
+    update(True, True)  # warm for the profile: same shapes, nothing compiles under it
+    return {"flops": flops, "variants": out, "profile_both": profile_update(pipe, batch, args)}
 
 
 def profile_update(pipe, batch, args) -> str:
@@ -176,7 +228,7 @@ def child(part: str, args, cache: str = "dynamic") -> dict:
     cmd = [sys.executable, __file__, "--part", part, "--device", args.device, "--size", args.size,
            "--dtype", args.dtype, "--batch", str(args.batch), "--new-tokens", str(args.new_tokens),
            "--cache", cache]
-    out = bounded(cmd, "phases")
+    out = bounded(cmd, part)
     if "error" in out:
         return out
     return json.loads(out["stdout"].strip().splitlines()[-1])
@@ -192,6 +244,15 @@ def bounded(cmd: list, part: str) -> dict:
     if out.returncode:
         return {"error": out.stderr[-3000:]}
     return {"stdout": out.stdout}
+
+
+def logprobs(args, out_json: Path) -> dict:
+    """Part ``logprobs``: `benchmarks/logprobs.py` on the device (rlpipe's kernels, eager and
+    compiled, against the textbook ``log_softmax`` and TRL's row loop)."""
+    cmd = [sys.executable, str(HERE.parent / "logprobs.py"), "--device", args.device,
+           "--json", str(out_json), *(["--positions", "16", "--reps", "1"] if args.smoke else [])]
+    out = bounded(cmd, "logprobs")
+    return out if "error" in out else json.loads(out_json.read_text())["variants"]
 
 
 def memory(args, out_json: Path) -> dict:
@@ -232,7 +293,7 @@ def main(argv=None):
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
-    parser.add_argument("--part", choices=["phases"], help=argparse.SUPPRESS)
+    parser.add_argument("--part", choices=["phases", "variants"], help=argparse.SUPPRESS)
     parser.add_argument("--cache", default="dynamic", help=argparse.SUPPRESS)
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"which parts, in order (default: all: {','.join(PARTS)})")
@@ -245,7 +306,7 @@ def main(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.part:
-        print(json.dumps(phases(args), default=str))
+        print(json.dumps({"phases": phases, "variants": variants}[args.part](args), default=str))
         return
 
     import torch
@@ -261,6 +322,8 @@ def main(argv=None):
                                            else RESULTS / f"gpu_{name}.json")
     parts = {"phases": lambda: child("phases", args),
              "static": lambda: child("phases", args, cache="static"),
+             "variants": lambda: child("variants", args),
+             "logprobs": lambda: logprobs(args, folder / "logprobs.json"),
              "memory": lambda: memory(args, folder / "memory.json"), "tiny": lambda: tiny(args, folder)}
     chosen = args.parts.split(",")
     if any(p not in parts for p in chosen):
