@@ -43,7 +43,7 @@ LENGTH_REWARD = {"min_tokens": 4, "max_tokens": 48, "per_token": 0.05, "truncate
 
 # Public architectures (config.json of the real checkpoints, random weights): the GPU benchmarks.
 PUBLIC = {name: Path(__file__).resolve().parent / "gpu" / "configs" / f"{name}.json"
-          for name in ("qwen2.5-0.5b", "qwen2.5-1.5b")}
+          for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")}
 
 
 def model_config(size: str, tokenizer):

@@ -26,8 +26,9 @@ actor with its adapters disabled; the critic is a full copy of the base backbone
 trained, as with ``full``); ``lora+shared`` (also ``models.critic.shared_backbone: true``: the
 value head sits on the actor's own backbone, no second copy). With ``--variants``, also
 ``full+savers`` (``full+ckpt`` plus ``models.reference.offload``: the frozen reference waits on
-CPU) and ``lora+shared+ckpt``. ``full`` is always measured: the table is relative to it. The
-table shows medians.
+CPU), ``lora+shared+ckpt`` and ``full+all`` (every saver a full-parameter actor can have:
+checkpointing, the critic on the actor's backbone, the reference offloaded). ``full`` is always
+measured: the table is relative to it. The table shows medians.
 """
 
 from __future__ import annotations
@@ -46,14 +47,16 @@ VARIANTS = {"full": {}, "full+ckpt": {"actor": CKPT, "critic": CKPT}, "lora": {"
             "lora+shared": {"lora": True, "critic": {"shared_backbone": True}},
             "full+savers": {"actor": CKPT, "critic": CKPT, "reference": {"offload": True}},
             "lora+shared+ckpt": {"lora": True, "actor": CKPT,
-                                 "critic": {"shared_backbone": True}}}
+                                 "critic": {"shared_backbone": True}},
+            "full+all": {"actor": CKPT, "critic": {"shared_backbone": True},
+                         "reference": {"offload": True}}}
 
 
 def child(args) -> None:
     """Measure one variant in this (fresh) process; print one JSON line."""
     import torch
 
-    from common import build_pipeline, count_params, make_config, memory_mib, reset_peak
+    from common import build_pipeline, make_config, memory_mib, reset_peak
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,7 +81,7 @@ def child(args) -> None:
     m = pipe.models
     modules = [m.actor, m.critic] + ([m.frozen_reference] if m.frozen_reference is not None else [])
     params = {id(p): p for mod in modules for p in mod.parameters()}
-    trainable = sum(count_params(mod, trainable=True) for mod in (m.actor, m.critic))
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)  # a shared backbone once
     opt_states = sum(t.numel() * t.element_size() for o in pipe.updater.opts.values()
                      for s in o.state.values() for t in s.values() if torch.is_tensor(t))
     print(json.dumps({
@@ -116,7 +119,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", default=None,
-                        help="medium (CPU default) | small | 300m | qwen2.5-0.5b | qwen2.5-1.5b")
+                        help="medium (CPU default) | small | 300m | qwen2.5-0.5b | qwen2.5-1.5b "
+                             "| qwen2.5-3b | qwen2.5-7b")
     parser.add_argument("--variants", default="full,full+ckpt,lora,lora+shared",
                         help="comma-separated, of: " + ", ".join(VARIANTS))
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU)")

@@ -38,10 +38,13 @@ Parts (each in a fresh process, so no allocator state carries over):
 5. ``memory``: `benchmarks/memory.py` at the Qwen2.5-1.5B architecture with a reward model of the
    same architecture: full copies against LoRA, a shared-backbone critic, activation
    checkpointing and reference + reward-model offload.
-6. ``tiny``: the tiny example's ``metrics.jsonl`` on CUDA against CPU (10 steps): the largest
+6. ``largest``: Qwen2.5 at 1.5B, 3B and 7B (random weights), a full-parameter PPO step with
+   every saver on (checkpointing, the critic on the actor's backbone, the reference offloaded):
+   its peak memory, or the out-of-memory error.
+7. ``tiny``: the tiny example's ``metrics.jsonl`` on CUDA against CPU (10 steps): the largest
    absolute difference of every metric, against a stated tolerance.
 
-``--parts`` picks parts and their order. All six take more than one 10-minute call; phases,
+``--parts`` picks parts and their order. All seven take more than one 10-minute call; phases,
 static, memory and tiny took about 8 minutes on an H200 after the first call's start.
 """
 
@@ -62,7 +65,7 @@ ROOT = HERE.parents[1]
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # dense, SXM
 TINY_TOLERANCE = 1e-3   # |cuda - cpu| of a per-step metric over 10 steps, as tests/test_gpu.py
 LIMIT_S = {"phases": 240, "variants": 300, "logprobs": 120, "memory": 240, "tiny": 90}
-PARTS = ("phases", "variants", "logprobs", "static", "memory", "tiny")
+PARTS = ("phases", "variants", "logprobs", "static", "memory", "largest", "tiny")
 ROUNDS = 2   # alternating rounds of the update variants
 
 
@@ -267,6 +270,31 @@ def memory(args, out_json: Path) -> dict:
     return out if "error" in out else json.loads(out_json.read_text())["median"]
 
 
+def largest(args) -> dict:
+    """Part ``largest``: which Qwen2.5 architectures (random weights) run a full-parameter PPO step
+    on this GPU with every saver on (`memory.py`'s ``full+all``; the length reward, no reward
+    model), each in its own process: its peak, or the error that stopped it (an out-of-memory
+    error names itself). A size's folder is deleted after it (7B is 15 GB of weights)."""
+    import shutil
+
+    import memory as memory_bench
+
+    out = {}
+    for size in ("small", "medium") if args.smoke else ("qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b"):
+        ns = argparse.Namespace(device=args.device, size=size, dtype=args.dtype, threads=0,
+                                batch=4 if args.smoke else 16, reward_model=False,
+                                new_tokens=8 if args.smoke else 256)
+        start = time.perf_counter()
+        folder = memory_bench.assets(ns)
+        try:
+            out[size] = memory_bench.run_child(ns, "full+all", folder)
+        except SystemExit as exc:   # run_child's report of a failed child
+            out[size] = {"error": str(exc)[-1500:]}
+        shutil.rmtree(folder, ignore_errors=True)
+        out[size]["s"] = time.perf_counter() - start
+    return out
+
+
 def tiny(args, folder: Path) -> dict:
     """Part 3: the tiny example on ``args.device`` against CPU, 10 steps, same seed."""
     rows = {}
@@ -324,7 +352,8 @@ def main(argv=None):
              "static": lambda: child("phases", args, cache="static"),
              "variants": lambda: child("variants", args),
              "logprobs": lambda: logprobs(args, folder / "logprobs.json"),
-             "memory": lambda: memory(args, folder / "memory.json"), "tiny": lambda: tiny(args, folder)}
+             "memory": lambda: memory(args, folder / "memory.json"), "largest": lambda: largest(args),
+             "tiny": lambda: tiny(args, folder)}
     chosen = args.parts.split(",")
     if any(p not in parts for p in chosen):
         parser.error(f"--parts: choose from {','.join(PARTS)}")

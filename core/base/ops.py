@@ -86,8 +86,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, start: int, temperat
     kernels), computed chunk by chunk over rows: no [B, R, vocab] tensor is made besides
     ``logits`` itself and, in backward, its gradient (written straight into one buffer of
     ``logits``' shape). The entropy has a gradient only with ``entropy_grad``. ``compiled``: each
-chunk's passes run as the kernels ``torch.compile`` fuses them into (``models.compile_logprobs``;
-float32 round-off apart, the same numbers).
+    chunk's passes run as the kernels ``torch.compile`` fuses them into
+    (``models.compile_logprobs``; float32 round-off apart, the same numbers).
 
     >>> logits = torch.tensor([[[0.0, 1.0, 2.0], [1.0, 1.0, 1.0], [5.0, 0.0, 0.0]]])
     >>> logp, ent = token_logprobs(logits, torch.tensor([[2, 0]]), start=0, with_entropy=True)
