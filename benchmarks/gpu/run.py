@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -71,7 +70,6 @@ ROUNDS = 2   # alternating rounds of the update variants
 
 def phases(args) -> dict:
     """Part 1, in this process: the step's phases, timed and with their peak memory."""
-    import torch
 
     from common import build_pipeline, make_assets, make_config, memory_mib, reset_peak
 
@@ -142,7 +140,6 @@ def variants(args) -> dict:
     block of actor and critic under ``torch.compile(dynamic=True)``, not yet a config key);
     ``both``. The first call of each is reported apart (compilation). The rollout uses the static
     KV cache: generation is not measured here. Then the profile of ``both``."""
-    import torch
 
     from common import build_pipeline, make_assets, make_config, sync
     from rlpipe.core.models.distributed import _blocks
@@ -189,7 +186,6 @@ def variants(args) -> dict:
 def profile_update(pipe, batch, args) -> str:
     """The update of ``batch`` once more, under `torch.profiler`: its 25 costliest operators by
     device time (by CPU time on CPU), as the table torch prints; where the MFU work starts."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from common import sync
