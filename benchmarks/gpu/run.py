@@ -140,7 +140,6 @@ def variants(args) -> dict:
     block of actor and critic under ``torch.compile(dynamic=True)``, not yet a config key);
     ``both``. The first call of each is reported apart (compilation). The rollout uses the static
     KV cache: generation is not measured here. Then the profile of ``both``."""
-
     from common import build_pipeline, make_assets, make_config, sync
     from rlpipe.core.models.distributed import _blocks
 
@@ -152,6 +151,9 @@ def variants(args) -> dict:
     batch, _ = pipe.step()
     m = pipe.models
     blocks = [b for model in (m.actor, m.critic) for b in _blocks(model)]
+    for block in blocks:
+        block.compile(dynamic=True)   # lazy: a block compiles at its first compiled call
+    impls = [block._compiled_call_impl for block in blocks]
 
     def update(logprobs: bool, compiled_blocks: bool) -> float:
         m.compile_logprobs = logprobs
@@ -163,19 +165,12 @@ def variants(args) -> dict:
         sync(args.device)
         return time.perf_counter() - start
 
-    impls = [None] * len(blocks)
-    out = {name: {"first_s": update(lp, False)} for name, lp in (("eager", False),
-                                                                   ("compiled_logprobs", True))}
-    for block in blocks:
-        block.compile(dynamic=True)
-    impls = [block._compiled_call_impl for block in blocks]
-    out.update({name: {"first_s": update(lp, True)} for name, lp in (("compiled_blocks", False),
-                                                                       ("both", True))})
     settings = {"eager": (False, False), "compiled_logprobs": (True, False),
                 "compiled_blocks": (False, True), "both": (True, True)}
+    out = {name: {"first_s": update(*on)} for name, on in settings.items()}
     for _ in range(ROUNDS):
-        for name, (lp, cb) in settings.items():
-            out[name]["s"] = min(out[name].get("s", float("inf")), update(lp, cb))
+        for name, on in settings.items():
+            out[name]["s"] = min(out[name].get("s", float("inf")), update(*on))
     flops = update_flops(pipe, batch)
     for row in out.values():
         row.update(mfu(flops, row["s"], args.device))

@@ -148,10 +148,6 @@ def _compiled() -> tuple:
             torch.compile(_chunk_backward, dynamic=True))
 
 
-def _kernels(compiled: bool) -> tuple:
-    return _compiled() if compiled else (_chunk_forward, _chunk_backward)
-
-
 def check_compiled(device: torch.device, dtype: torch.dtype) -> None:
     """Build `token_logprobs`' compiled kernels for ``device`` and ``dtype`` now, on three
     positions, forward and backward, with and without the entropy: where ``torch.compile``
@@ -173,7 +169,7 @@ class _TokenLogprobs(torch.autograd.Function):
         B, R = ids.shape
         logp = logits.new_empty((B, R), dtype=torch.float32)
         entropy = logits.new_zeros((B, R), dtype=torch.float32)
-        kernel = _kernels(compiled)[0]
+        kernel = _compiled()[0] if compiled else _chunk_forward
         for b, t, pos in _chunks(logits, ids, start):
             logp[b, t], ent = kernel(logits[b, pos], ids[b, t], temperature, with_entropy)
             if with_entropy:
@@ -189,7 +185,7 @@ class _TokenLogprobs(torch.autograd.Function):
         logits, ids, entropy = ctx.saved_tensors
         if grad_logp is None:
             grad_logp = torch.zeros_like(entropy)
-        kernel = _kernels(ctx.compiled)[1]
+        kernel = _compiled()[1] if ctx.compiled else _chunk_backward
         grad = torch.empty_like(logits)
         R = ids.shape[1]
         grad[:, :ctx.start].zero_()  # positions that were not scored
