@@ -189,7 +189,8 @@ def config_cmd(config_path, overrides, defaults, explain_key):
     import yaml
 
     from rlpipe.core.base.errors import UserError
-    from rlpipe.core.config import compose, explain
+    from rlpipe.core.config import compose
+    from rlpipe.tools import explain
     from rlpipe.core.config.settings import load_config
 
 
@@ -251,14 +252,14 @@ def report(run_dirs):
     import warnings
     from pathlib import Path
 
-    from rlpipe.core.observe.report import summary, write_report
+    from rlpipe.tools.report import summary, write_report
 
     with warnings.catch_warnings(record=True) as caught:  # each on one line, once
         warnings.simplefilter("always")
         if len(run_dirs) == 1:
             text, paths = summary(run_dirs[0]), write_report(run_dirs[0])
         else:
-            from rlpipe.core.observe.compare import compare_summary, write_comparison
+            from rlpipe.tools.compare import compare_summary, write_comparison
 
             runs = [Path(r) for r in run_dirs]
             text = "\n\n".join([*map(summary, runs), compare_summary(runs)])
@@ -277,7 +278,7 @@ def doctor(run_dir):
     """Check RUN_DIR's metrics against the health rules; exit 1 when one fired, 0 when none did."""
     from pathlib import Path
 
-    from rlpipe.core.observe.health import doctor as examine_run
+    from rlpipe.tools.doctor import doctor as examine_run
 
     text, status = examine_run(Path(run_dir))
     click.echo(text)
@@ -293,7 +294,7 @@ def doctor(run_dir):
 def export(run_dir, out, step, adapter):
     """Write a checkpoint's policy to OUT as a save_pretrained folder (from_pretrained, or peft)."""
     from rlpipe.core.observe.console import quiet_libraries
-    from rlpipe.core.run.export import export as export_policy
+    from rlpipe.tools.export import export as export_policy
 
     with quiet_libraries():
         path = export_policy(run_dir, out, step=step, merge=not adapter)
@@ -309,7 +310,7 @@ def export(run_dir, out, step, adapter):
 @_user_errors
 def train_rm(config_path, overrides, overwrite, no_progress):
     """Train a Bradley–Terry reward model on preference pairs (JSONL: prompt, chosen, rejected)."""
-    from rlpipe.plugins.rewards.training import load_rm_config, train_reward_model
+    from rlpipe.tools.train_rm import load_rm_config, train_reward_model
 
     out = train_reward_model(load_rm_config(config_path, overrides), overwrite=overwrite,
                              progress=not no_progress)

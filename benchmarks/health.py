@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, TINY, machine, now, write_json  # noqa: E402
 
 from rlpipe.core.config.settings import HealthConfig, load_config  # noqa: E402
-from rlpipe.core.observe.health import Monitor, examine, load_rules  # noqa: E402
+from rlpipe.core.observe.health import Monitor, load_rules  # noqa: E402
 from rlpipe.core.run.pipeline import train  # noqa: E402
+from rlpipe.tools.doctor import examine  # noqa: E402
 
 
 def synthetic_rows(n: int, seed: int = 0) -> list[dict]:

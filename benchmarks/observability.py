@@ -25,7 +25,7 @@ import time
 
 from common import build_pipeline, machine, make_assets, make_config, print_header, workdir, write_json
 from rlpipe.core.observe import console, samples
-from rlpipe.core.run import export
+from rlpipe.core.run import checkpoint
 from rlpipe.core.observe.metrics import MetricsWriter
 
 
@@ -65,18 +65,18 @@ def isolated_ms(pipe, reps: int = 20) -> float:
 
 
 def checkpoint_times(pipe, reps: int) -> dict:
-    real = export.save_policy
+    real = checkpoint.save_policy
     out = {"with_policy": [], "without_policy": []}
     for i in range(2 * reps):
         with_policy = i % 2 == (i // 2) % 2
         if not with_policy:
-            export.save_policy = lambda *a, **k: None
+            checkpoint.save_policy = lambda *a, **k: None
         try:
             t0 = time.perf_counter()
             pipe.save_checkpoint()
             out["with_policy" if with_policy else "without_policy"].append(time.perf_counter() - t0)
         finally:
-            export.save_policy = real
+            checkpoint.save_policy = real
     return {k: statistics.median(v) for k, v in out.items()}
 
 

@@ -6,6 +6,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from rlpipe.core.contracts import registry
+from rlpipe.core.contracts.kinds import reward_contract
 from rlpipe.core.base import schema as S
 from rlpipe.core.base.errors import UserError
 from rlpipe.plugins.rewards.answer_match import (AnswerMatch, answer_scores, answers_match,
@@ -68,7 +69,7 @@ def test_module_reads_the_named_column_and_declares_it():
     td[S.RESPONSE_TEXT] = NonTensorStack("it is 4", "\\boxed{5}", "maybe 7")
     reward = AnswerMatch(column="solution", format_reward=0.1)
     assert reward(td).tolist() == pytest.approx([1.0, 1.0, 0.1])
-    assert registry.declared("rewards", reward, "columns") == ("solution",)
+    assert reward_contract(reward).columns == ("solution",)
     strings = TensorDict({}, batch_size=[2])
     strings[S.DATA, "answer"] = NonTensorStack("Paris", "#### 12")
     strings[S.RESPONSE_TEXT] = NonTensorStack("ANSWER: paris", "ANSWER: 12")

@@ -12,6 +12,7 @@ import torch
 from rlpipe.core.run import build
 from rlpipe.core.step import optim
 from rlpipe.core.contracts import registry
+from rlpipe.core.contracts.kinds import UNDECLARED, AdvantageContract, advantage_contract
 from rlpipe.core.config.settings import PluginConfig, load_config
 from rlpipe.core.base.errors import UserError
 
@@ -77,19 +78,36 @@ def test_a_section_built_or_renamed_by_hand_is_resolved_afresh():
     assert cfg.advantage.resolved is None and build.needs_critic(cfg) is True
 
 
-def test_needs_critic_is_declared_with_one_default():
-    assert registry.DECLARED["advantages"]["needs_critic"] is True
-
+def test_needs_critic_follows_the_contract_and_an_undeclared_advantage_gets_a_critic():
     class NoCritic(torch.nn.Module):
+        @classmethod
+        def contract(cls, **args):
+            return AdvantageContract(needs_critic=False)
+
+    class Legacy(torch.nn.Module):  # loose attribute: read for one release, with a warning
         needs_critic = False
 
     class Undeclared(torch.nn.Module):
         pass
 
+    class Quoted(torch.nn.Module):  # issue 54: a string is not False
+        needs_critic = "False"
+
     cfg = tiny()
-    for cls, expected in ((NoCritic, False), (Undeclared, True)):
-        cfg.advantage.resolved = registry.Plugin(cfg.advantage.resolved.spec, cls)
-        assert build.needs_critic(cfg) is expected
+    spec = cfg.advantage.resolved.spec
+
+    def critic(cls):
+        cfg.advantage.resolved = registry.Plugin(spec, cls)
+        return build.needs_critic(cfg)
+
+    assert critic(NoCritic) is False and critic(Undeclared) is True
+    assert advantage_contract(Undeclared) == UNDECLARED and not UNDECLARED.declared
+    with pytest.warns(DeprecationWarning, match="needs_critic are deprecated"):
+        assert critic(Legacy) is False
+    with pytest.warns(DeprecationWarning), pytest.raises(
+            UserError, match=r"^advantage \(rlpipe.advantages:gae .*\): AdvantageContract: "
+                             r"needs_critic must be True or False, got 'False'$"):
+        critic(Quoted)
 
 
 def test_frozen_reference_is_a_detached_copy_and_critic_follows_need():
@@ -159,7 +177,7 @@ def test_make_optimizer_is_adamw_with_the_configured_rates():
 
 def lrs(cfg, n: int) -> list[float]:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = optim.make_scheduler(opt, cfg)
+    sched = optim.make_scheduler(opt, cfg.train, cfg.run.steps)
     out = []
     for _ in range(n):
         out.append(sched.get_last_lr()[0])

@@ -14,7 +14,7 @@ from rlpipe.cli import main
 from rlpipe.core.base.yamlconf import parse_overrides
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.errors import UserError
-from rlpipe.core.config.explain import with_plugin_defaults
+from rlpipe.tools.explain import with_plugin_defaults
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny"
 

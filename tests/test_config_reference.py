@@ -1,5 +1,5 @@
 """The config reference cannot drift: every setting has its help on the field (or in its plugin's
-``Args:``), docs/config.md is what `rlpipe.core.config.explain` generates now, and ``rlpipe config
+``Args:``), docs/config.md is what `rlpipe.tools.explain` generates now, and ``rlpipe config
 --defaults`` / ``--explain`` / ``CONFIG`` print the loader's own defaults."""
 
 import dataclasses
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from rlpipe.cli import main
 from rlpipe.core.contracts import registry
 from rlpipe.core.config.settings import Config, load_config
-from rlpipe.core.config.explain import REQUIRED, plugin_settings, reference_markdown, settings
+from rlpipe.tools.explain import REQUIRED, plugin_settings, reference_markdown, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
@@ -34,7 +34,7 @@ def test_every_builtin_plugin_argument_has_a_help_line():
 def test_the_docs_page_is_current():
     page = (ROOT / "docs" / "config.md").read_text()
     assert page == reference_markdown(), \
-        "docs/config.md is stale: python -m rlpipe.core.config.explain > docs/config.md"
+        "docs/config.md is stale: python -m rlpipe.tools.explain > docs/config.md"
 
 
 def _get(tree: dict, dotted: str):

@@ -93,7 +93,7 @@ def test_module_reads_and_writes_schema_keys():
     advantage, target = masked_gae(reward, value, mask, 0.9, 0.8)
     torch.testing.assert_close(td[ADVANTAGE], advantage, rtol=0, atol=0)
     torch.testing.assert_close(td[VALUE_TARGET], target, rtol=0, atol=0)
-    assert GAE.needs_critic
+    assert GAE.contract().needs_critic
     assert GAE().in_keys == [REWARD, VALUE, RESPONSE_MASK]
     assert GAE().out_keys == [ADVANTAGE, VALUE_TARGET]
 

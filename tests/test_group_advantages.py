@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.errors import UserError
+from rlpipe.core.contracts.kinds import advantage_contract
 from rlpipe.core.run.pipeline import Pipeline
 from rlpipe.core.base.schema import ADVANTAGE, GROUP_ID, RESPONSE_MASK, REWARD, VALUE_TARGET
 from rlpipe.plugins.advantages.gae import discounted_cumsum, masked_gae
@@ -180,7 +181,7 @@ def make_td(reward, mask, groups):
 ])
 def test_modules_read_and_write_schema_keys(module, in_keys):
     assert module.in_keys == in_keys and module.out_keys == [ADVANTAGE, VALUE_TARGET]
-    assert type(module).needs_critic is False
+    assert advantage_contract(module).needs_critic is False
     reward, mask, groups = make_batch(seed=6)
     td = module(make_td(reward, mask, groups))
     if isinstance(module, ReinforcePP):

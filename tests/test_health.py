@@ -13,8 +13,9 @@ from rlpipe.core.run import checkpoint
 from rlpipe.core.contracts import registry
 from rlpipe.core.config.settings import HealthConfig, load_config
 from rlpipe.core.base.errors import UserError
-from rlpipe.core.observe.health import History, Monitor, examine, load_rules, slope
+from rlpipe.core.observe.health import History, Monitor, load_rules, slope
 from rlpipe.core.run.pipeline import Pipeline
+from rlpipe.tools.doctor import examine
 from tests.conftest import NO_ISOLATION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,7 +270,7 @@ def test_doctor_on_a_bad_run_dir_is_one_line(tmp_path, setup, message):
 
 
 def test_report_summary_has_a_health_section(tmp_path):
-    from rlpipe.core.observe.report import summary
+    from rlpipe.tools.report import summary
 
     run = write_run(tmp_path / "run", rows_of(**{"reward/score": [0.0, 1.0],
                                                  "train/skipped_minibatches": [0, 3]}))

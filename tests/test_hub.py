@@ -15,7 +15,7 @@ from rlpipe.core.base import hub
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.errors import UserError
 from rlpipe.plugins.rewards import RewardModel
-from rlpipe.plugins.rewards.training import load_rm_config
+from rlpipe.tools.train_rm import load_rm_config
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 REV = "0123456789abcdef0123456789abcdef01234567"

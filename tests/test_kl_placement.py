@@ -13,14 +13,14 @@ from tensordict.nn import TensorDictModuleBase
 from rlpipe.core.config.kl_placement import DEFAULT_ESTIMATOR
 from rlpipe.core.step import kl
 from rlpipe.core.contracts import registry
+from rlpipe.core.contracts.kinds import AdvantageContract, advantage_contract
 from rlpipe.core.base import schema as S
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.run.pipeline import Pipeline
 from tests.test_trainer import tiny
 
 GROUP_ESTIMATORS = sorted(name for name in registry.find("advantages")
-                          if registry.declared("advantages", registry.load("advantages", name),
-                                               "needs_groups"))
+                          if advantage_contract(registry.load("advantages", name)).needs_groups)
 
 
 def categorical(seed=0, k=7):
@@ -156,7 +156,7 @@ def test_kl_in_a_group_normalised_score_is_refused(tmp_path):
 class GroupedBaseline(TensorDictModuleBase):
     """A third-party estimator that declares it compares the samples of a prompt."""
 
-    needs_critic, needs_groups = False, True
+    contract = staticmethod(lambda: AdvantageContract(needs_critic=False, needs_groups=True))
     in_keys, out_keys = [S.REWARD, S.RESPONSE_MASK, S.GROUP_ID], [S.ADVANTAGE, S.VALUE_TARGET]
 
     def forward(self, td: TensorDict) -> TensorDict:

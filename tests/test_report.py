@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from rlpipe.cli import main
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.observe.metrics import MetricsWriter
-from rlpipe.core.observe.report import summary, write_report
+from rlpipe.tools.report import summary, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_PANELS = {"overview", "reward", "kl", "policy", "clipfrac", "value", "length", "grad_norm",
@@ -225,7 +225,7 @@ def test_metric_names_are_never_mathtext(tmp_path, monkeypatch):
     import matplotlib
     from matplotlib.figure import Figure
 
-    from rlpipe.core.observe.report import PANELS, _draw, load_metrics
+    from rlpipe.tools.report import PANELS, _draw, load_metrics
 
     monkeypatch.setitem(matplotlib.rcParams, "text.usetex", True)  # no LaTeX here: would fail
     run = write_rows(tmp_path / "r$x^$", [{"step": s, "reward/score": 1.0, **{k: 1.0 for k in TEX}}
@@ -279,7 +279,7 @@ def test_whole_steps_and_no_line_hidden_under_an_equal_one(tmp_path):
     """Equal series (the score of a single reward) differ in style and width; ticks are steps."""
     from matplotlib.figure import Figure
 
-    from rlpipe.core.observe.report import PANELS, _draw, load_metrics
+    from rlpipe.tools.report import PANELS, _draw, load_metrics
 
     run = write_rows(tmp_path / "run", [{"step": s, "reward/score": 1.0 * s, "reward/a": 1.0 * s,
                                          "reward/score/std": 0.5, "reward/a/std": 0.5}

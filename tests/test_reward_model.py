@@ -21,7 +21,7 @@ from rlpipe.core.base.errors import UserError
 from rlpipe.core.run.pipeline import Pipeline
 from rlpipe.core.step.rewards import RewardComposer
 from rlpipe.plugins.rewards.reward_model import RewardModel, score_texts
-from rlpipe.plugins.rewards.training import RewardModelTrainer, load_rm_config
+from rlpipe.tools.train_rm import RewardModelTrainer, load_rm_config
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
 KEYWORD = "great"

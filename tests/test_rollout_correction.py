@@ -130,9 +130,7 @@ def test_ppo_loss_weights_each_tokens_clipped_surrogate():
 
 
 def _run(mode):
-    return SimpleNamespace(train=SimpleNamespace(target_kl=None),
-                           advantage=SimpleNamespace(name="gae"),
-                           rollout_correction=SimpleNamespace(mode=mode))
+    return SimpleNamespace(target_kl=None), mode  # the train section, rollout_correction.mode
 
 
 def test_weighting_modes_need_a_loss_that_declares_rollout_weights():
@@ -142,10 +140,10 @@ def test_weighting_modes_need_a_loss_that_declares_rollout_weights():
     models = SimpleNamespace(critic=None)
     for mode in ("tis", "mis"):
         with pytest.raises(UserError, match=f"rollout_correction.mode: {mode} .*rollout_weights"):
-            _checked_contract(_run(mode), models, Plain(), None)
-        assert _checked_contract(_run(mode), models, PPOLoss(), None).rollout_weights
+            _checked_contract(*_run(mode), models, Plain(), None)
+        assert _checked_contract(*_run(mode), models, PPOLoss(), None).rollout_weights
     for mode in ("none", "bypass"):   # bypass needs nothing from the loss
-        assert _checked_contract(_run(mode), models, Plain(), None) == LossContract()
+        assert _checked_contract(*_run(mode), models, Plain(), None) == LossContract()
 
 
 def tiny(tmp_path, *overrides):

@@ -20,7 +20,7 @@ from rlpipe.core.base.yamlconf import build_section
 from rlpipe.core.config.settings import Config, LoraConfig, load_config
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.base.yamlconf import Range, _set_dotted, rule_text, yaml_key
-from rlpipe.plugins.rewards.training import load_rm_config
+from rlpipe.tools.train_rm import load_rm_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny"

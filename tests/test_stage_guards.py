@@ -118,15 +118,15 @@ def test_a_loss_without_a_gradient_is_one_line_naming_it(tmp_path):
         Pipeline(cfg, progress=False, loss=DetachedLoss()).train()
 
 
-def test_a_data_column_named_like_a_reward_setting_is_refused():
-    """It used to replace the setting's default silently (a list where a number was meant)."""
+def test_a_data_column_named_like_a_reward_setting_reaches_it_unless_the_config_sets_it():
+    """Issue 52: the column reaches the parameter of its name, as TRL passes every column (it was
+    refused); a value the config sets wins, on one warning line."""
     def longer(prompts, responses, min_tokens=4, **batch):
-        return [float(len(r) >= min_tokens) for r in responses]
+        return [float(len(r) >= int(m)) for r, m in zip(responses, min_tokens)]
     td = batch()
-    td["data", "min_tokens"] = NonTensorStack("9", "9")
-    with pytest.raises(UserError, match="reward function longer: the data column 'min_tokens' "
-                                        "has the name of its setting min_tokens \\(default 4\\)"):
-        RewardComposer([("r", 1.0, wrap_reward_function(longer)())])(td)
-    del td["data", "min_tokens"]
-    td["data", "answer"] = NonTensorStack("9", "9")  # other columns are fine
-    assert RewardComposer([("r", 1.0, wrap_reward_function(longer)())])(td)[S.SCORE].tolist() == [0, 0]
+    td["data", "min_tokens"] = NonTensorStack("1", "9")
+    assert RewardComposer([("r", 1.0, wrap_reward_function(longer)())])(td)[S.SCORE].tolist() == [1, 0]
+    with pytest.warns(UserWarning, match="the config sets min_tokens=\\['0', '0'\\], so the data "
+                                         "column 'min_tokens' does not reach it"):
+        composer = RewardComposer([("r", 1.0, wrap_reward_function(longer)(min_tokens=["0", "0"]))])
+        assert composer(td)[S.SCORE].tolist() == [1, 1]

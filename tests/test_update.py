@@ -14,6 +14,7 @@ from torchrl.objectives import LossModule
 from rlpipe.core.base import schema as S
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.errors import UserError
+from rlpipe.core.step import kl
 from rlpipe.core.step.loss import LossContract
 from rlpipe.core.run.pipeline import Pipeline
 from rlpipe.core.step.update import TrainingDiverged, Updater
@@ -117,7 +118,25 @@ def updater(pipe, loss, *settings):
     cfg = copy.deepcopy(pipe.cfg)
     for section, key, value in settings:
         setattr(getattr(cfg, section), key, value)
-    return Updater(cfg, pipe.models, loss, pipe.temperature, pipe.device, pipe.dist)
+    return make(cfg, pipe.models, loss, pipe.temperature, pipe.device, pipe.dist)
+
+
+def make(cfg, models, loss, temperature=1.0, device=torch.device("cpu"), dist=None):
+    """An Updater given the sections of ``cfg`` it reads, as `Pipeline` builds it."""
+    return Updater(cfg.train, models, loss, kl.KLPenalty(cfg.kl), steps=cfg.run.steps,
+                   seed=cfg.run.seed, ptx=cfg.ptx, rollout_mode=cfg.rollout_correction.mode,
+                   temperature=temperature, device=device, dist=dist)
+
+
+def test_update_leaves_the_callers_batch_as_it_was(rollout):
+    """The forward's outputs (log_prob, entropy, value_pred) and the minibatch counts go into
+    copies (TorchRL's rule): the batch handed to update() keeps its keys and its values."""
+    pipe, batch = rollout
+    given, before = batch.clone(), batch.clone()
+    updater(pipe, PPOLoss(entropy_coef=0.01), ("train", "grad_accum", 2)).update(given)
+    assert set(given.keys(True, True)) == set(before.keys(True, True))
+    for key in before.keys(True, True):
+        assert torch.equal(given[key], before[key]), key
 
 
 class Recording(PPOLoss):
@@ -161,7 +180,7 @@ def test_declared_critic_terms_split_the_pass_actor_first(rollout):
         loss, actor_grads = Recording("grad", critic_terms=terms, entropy_coef=0.01), []
         models.critic.register_forward_pre_hook(lambda *_: actor_grads.append(
             all(p.grad is not None for p in models.actor.parameters() if p.requires_grad)))
-        Updater(pipe.cfg, models, loss, pipe.temperature, pipe.device, pipe.dist).update(batch.clone())
+        make(pipe.cfg, models, loss, pipe.temperature, pipe.device, pipe.dist).update(batch.clone())
         assert loss.seen == calls * (len(loss.seen) // len(calls)) and loss.seen, terms
         assert actor_grads and all(actor_grads) == bool(terms) and any(actor_grads) == bool(terms)
 
@@ -179,8 +198,8 @@ def test_split_pass_gives_the_joint_update_exactly(rollout, loss_args, kl_coef):
         cfg = copy.deepcopy(pipe.cfg)
         cfg.train.epochs, cfg.train.grad_accum = 2, 2
         cfg.kl.in_, cfg.kl.coef = "loss", kl_coef
-        metrics = Updater(cfg, models, loss, pipe.temperature, pipe.device,
-                          pipe.dist).update(batch.clone())
+        metrics = make(cfg, models, loss, pipe.temperature, pipe.device,
+                       pipe.dist).update(batch.clone())
         weights = {f"{name}.{k}": v.detach().clone() for name in ("actor", "critic")
                    for k, v in getattr(models, name).named_parameters()}
         got[terms] = metrics, weights
@@ -196,11 +215,11 @@ def test_target_kl_without_a_declared_metric_is_a_build_time_error():
     models = SimpleNamespace(actor=None, critic=None)  # never reached: the check comes first
     cfg = load_config(TINY, ["train.target_kl=0.02"])
     with pytest.raises(UserError, match="train.target_kl is set but .* declares no approx-KL"):
-        Updater(cfg, models, NoKL(), 1.0, torch.device("cpu"))
+        make(cfg, models, NoKL())
     values = SimpleNamespace(actor=None, critic=torch.nn.Linear(1, 1))
     with pytest.raises(UserError, match="needs a critic, but .* declares values=False"):
-        Updater(load_config(TINY), values, type("NoValues", (LossModule,), {
-            "contract": LossContract(values=False)})(), 1.0, torch.device("cpu"))
+        make(load_config(TINY), values, type("NoValues", (LossModule,), {
+            "contract": LossContract(values=False)})())
 
 
 class LoudKL(PPOLoss):

@@ -24,6 +24,13 @@ RESPONSE_MASK = "response_mask"  # [B, R] bool: true on real response tokens (EO
 PROMPT_TEXT = "prompt_text"      # [B] non-tensor str
 RESPONSE_TEXT = "response_text"  # [B] non-tensor str
 PROMPT_MESSAGES = "prompt_messages"  # [B] non-tensor: a chat prompt's messages (chat datasets only)
+ACTION_MASK = "action_mask"      # [B, R] bool, optional: the tokens the policy sampled (multi-turn:
+                                 # not the environment's); absent: equal to response_mask
+TURN_ID = "turn_id"              # [B, R] long, multi-turn: the turn each response token belongs to
+TURN_REWARD = "turn_reward"      # [B, T] float, multi-turn: the environment's reward per turn
+NUM_TURNS = "num_turns"          # [B] long, multi-turn: the policy's turns in the conversation
+STOP_REASON = "stop_reason"      # [B] long, multi-turn: index into STOP_REASONS
+CONVERSATION = "conversation"    # [B] non-tensor, multi-turn: the conversation's chat messages
 GROUP_ID = "group_id"            # [B] long: index of the prompt a sample came from
 FINISHED = "finished"            # [B] bool: ended with EOS (false: cut at max_new_tokens)
 ENGINE_LOG_PROB = "engine_log_prob"  # [B, R] float: log-probs reported by the engine
@@ -42,6 +49,9 @@ VALUE_TARGET = "value_target"    # [B, R] float: return target for the critic
 ROLLOUT_IS_WEIGHT = "rollout_is_weight"  # [B, R] float, tis/mis only: weight of each token's
                                  # policy-gradient term (rlpipe.core.step.rollout_correction), 0 on padding
 
+# Why a multi-turn conversation ended (``stop_reason`` holds the index).
+STOP_REASONS = ("done", "max_turns", "length", "tool_error", "timeout")
+
 # Written by the trainer into each PPO micro-batch, read by loss plugins.
 LOG_PROB = "log_prob"            # [b, R] float: log pi_theta(a_t|s_t) under the current weights (grad)
 ENTROPY = "entropy"              # [b, R] float: entropy of pi_theta(.|s_t) (grad)
@@ -57,12 +67,29 @@ _SPEC = {
     ENGINE_HIDDEN: (3, "float"), ACTOR_LOG_PROB: (2, "float"),
     OLD_LOG_PROB: (2, "float"), REF_LOG_PROB: (2, "float"), VALUE: (2, "float"),
     SCORE: (1, "float"), REWARD: (2, "float"), ADVANTAGE: (2, "float"), VALUE_TARGET: (2, "float"),
-    ROLLOUT_IS_WEIGHT: (2, "float"),
+    ROLLOUT_IS_WEIGHT: (2, "float"), ACTION_MASK: (2, "bool"), TURN_ID: (2, "int"),
+    TURN_REWARD: (2, "float"), NUM_TURNS: (1, "int"), STOP_REASON: (1, "int"),
     LOG_PROB: (2, "float"), ENTROPY: (2, "float"), VALUE_PRED: (2, "float"),
     NUM_TOKENS: (1, "float"), NUM_SEQS: (1, "float"),
 }
 _RESPONSE_SHAPED = {RESPONSE_MASK, ENGINE_LOG_PROB, ACTOR_LOG_PROB, OLD_LOG_PROB, REF_LOG_PROB, VALUE,
-                    REWARD, ADVANTAGE, VALUE_TARGET, LOG_PROB, ENTROPY, VALUE_PRED, ROLLOUT_IS_WEIGHT}
+                    REWARD, ADVANTAGE, VALUE_TARGET, LOG_PROB, ENTROPY, VALUE_PRED, ROLLOUT_IS_WEIGHT,
+                    ACTION_MASK, TURN_ID}
+
+
+def action_mask(td) -> torch.Tensor:
+    """The tokens the policy chose: ``action_mask`` where a multi-turn collector wrote it, else
+    ``response_mask`` (single turn: every response token is the policy's).
+
+    >>> from tensordict import TensorDict
+    >>> td = TensorDict({RESPONSE_MASK: torch.tensor([[True, True, False]])}, batch_size=[1])
+    >>> action_mask(td).tolist()
+    [[True, True, False]]
+    >>> td[ACTION_MASK] = torch.tensor([[True, False, False]])
+    >>> action_mask(td).tolist()
+    [[True, False, False]]
+    """
+    return td.get(ACTION_MASK) if ACTION_MASK in td.keys() else td.get(RESPONSE_MASK)
 
 
 def _kind(t: torch.Tensor) -> str:

@@ -11,7 +11,7 @@ what needs several keys, or a plugin's signature, or the model's ``config.json``
   minibatches of at least (processes x ``train.grad_accum``) samples, and a prompt per process;
 - ``distributed.rdzv_endpoint`` is HOST:PORT, required when ``distributed.nnodes > 1``;
 - the collector's ``max_prompt_tokens + max_new_tokens`` fit the model's context (an unset
-  ``max_prompt_tokens`` is lowered to fit), and so does ``ptx.max_tokens``;
+  ``max_prompt_tokens`` is lowered to fit, in the run's plan), and so does ``ptx.max_tokens``;
 - the ``health`` section: installed rule names, each rule's parameters (`rlpipe.core.observe.health`).
 - a ``rollout_correction.mode`` other than none, with top-k / top-p sampling, needs
   ``collector.score_truncated: true`` (else every weight carries the truncation's bias);
@@ -22,9 +22,11 @@ what needs several keys, or a plugin's signature, or the model's ``config.json``
 - ``models.autocast`` and ``distributed.bf16`` are two ways to compute in bf16: one at a time;
 - ``eval.*`` settings without ``eval.prompts`` are a warning (nothing is evaluated);
 - an advantage that declares ``needs_groups`` (grpo, rloo), and ``data.dynamic_sampling``, need
-  collector ``n >= 2``; ``kl.in``
-  and ``kl.estimator`` left null are chosen for the advantage, and the pairs that cannot
-  regularise or that turn KL noise into signal are refused (`rlpipe.core.config.kl_placement`).
+  collector ``n >= 2``.
+
+The rules that read a plugin's contract (batches, context, rollout correction, groups, critic
+pretraining) take the contract as an argument: `rlpipe.core.config.plan.plan_run` computes each
+contract once and calls them (with the KL placement, `rlpipe.core.config.kl_placement`).
 """
 
 from __future__ import annotations
@@ -39,12 +41,10 @@ from typing import Any
 
 from rlpipe.core.base.truncation import Truncation
 from rlpipe.core.contracts import references, registry
-from rlpipe.core.contracts.collector import CollectorContract, contract_of
 from rlpipe.core.models.critic_start import check_critic_start
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.data.prompts import data_source
 from rlpipe.core.observe.health import load_rules
-from rlpipe.core.config.kl_placement import check_placement, resolve_placement
 from rlpipe.core.observe.metrics import check_trackers
 
 PLUGIN_GROUPS = {"collector": "collectors", "advantage": "advantages", "loss": "losses",
@@ -75,11 +75,7 @@ def check_config(cfg, conv) -> None:
                         "precision); set one of the two")
     check_critic_start(cfg)
     _warn_unused_eval(cfg.eval)
-    check_batches(cfg)
-    check_context(cfg)
-    check_rollout_correction(cfg)
-    check_advantage(cfg)
-    check_critic_pretrain(cfg)
+    check_staleness(cfg)
     check_trackers(cfg.log)  # a missing tracker package: now, not after the models load
     cfg.health.resolved = load_rules(cfg.health, conv)
 
@@ -135,12 +131,6 @@ def check_plugin_args(section, key: str, group: str, conv) -> None:
         raise UserError(f"{key}: plugin {spec.label} needs argument(s) {', '.join(missing)}")
 
 
-def collector_contract(cfg) -> CollectorContract:
-    """The `CollectorContract` that the configured collector declares for its arguments."""
-    plugin = resolve_plugin(cfg.collector, "collectors")
-    return contract_of(plugin.obj, cfg.collector.args, f"collector ({plugin.spec.label})")
-
-
 def _count(value) -> bool:
     """A whole number >= 1 (anything else is left to the plugin's own constructor check)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -152,9 +142,9 @@ def world_size(dist_cfg) -> int:
     return int(launched) if launched.isdigit() and int(launched) >= 1 else dist_cfg.nproc * dist_cfg.nnodes
 
 
-def check_batches(cfg) -> None:
-    """The runtime split of a step's samples (`rlpipe.core.step.update`), checked at load."""
-    n = collector_contract(cfg).samples_per_prompt
+def check_batches(cfg, n: int) -> None:
+    """The runtime split of a step's samples (`rlpipe.core.step.update`), checked at load;
+    ``n``: samples per prompt (the collector's contract)."""
     t, prompts, world = cfg.train, cfg.data.batch_size, world_size(cfg.distributed)
     samples = prompts * n
     if world > 1 and prompts < world:
@@ -201,11 +191,12 @@ def context_limit(folder: Path) -> tuple[int, str] | None:
     return None
 
 
-def check_context(cfg) -> None:
-    """Prompt + response budget of the collector, and ``ptx.max_tokens``, within the context."""
+def check_context(cfg, sampling) -> tuple[int, int]:
+    """Prompt + response budget of the collector (``sampling``: its contract), and
+    ``ptx.max_tokens``, within the context. Returns ``(prompt_tokens, context_tokens)``: the
+    prompt budget (a default one lowered to fit) and the smallest context (0: none known)."""
     limits = [(f"the {role} model's context", context_limit(path)) for role, path in
               (("actor", cfg.models.actor.path), ("critic", cfg.models.critic.path)) if path]
-    sampling = collector_contract(cfg)
     if sampling.context_tokens:
         limits.append(("the collector's engine length", (sampling.context_tokens,
                                                           "its contract's context_tokens")))
@@ -217,7 +208,7 @@ def check_context(cfg) -> None:
             if prompt + new <= tokens:
                 continue
             if prompt_arg in defaults and new < tokens:  # the default prompt budget shrinks to fit
-                prompt = cfg.collector.args[prompt_arg] = tokens - new
+                prompt = tokens - new
                 continue
             raise UserError(
                 f"collector.{prompt_arg} + collector.{new_arg} = {prompt}"
@@ -228,17 +219,17 @@ def check_context(cfg) -> None:
     if cfg.ptx.coef > 0 and actor is not None and cfg.ptx.max_tokens > actor[0]:
         raise UserError(f"ptx.max_tokens: {cfg.ptx.max_tokens} exceeds the actor model's context "
                         f"of {actor[0]} tokens ({actor[1]})")
+    return prompt, min((tokens for _, (tokens, _) in limits), default=0)
 
 
-def check_rollout_correction(cfg) -> None:
-    """Weights against truncated engine log-probs need the trainer to score truncated too."""
+def check_rollout_correction(cfg, sampling) -> None:
+    """Weights against truncated engine log-probs need the trainer to score truncated too
+    (``sampling``: the collector's contract)."""
     mode = cfg.rollout_correction.mode
     if mode != "none" and cfg.rollout_correction.old_log_prob == "sampling":
         raise UserError(f"rollout_correction.old_log_prob: sampling needs rollout_correction.mode: "
                         f"none, got {mode} (which compares the engine with a trainer forward, or, "
                         f"bypass, takes the engine's own log-probs); use old_log_prob: auto")
-    check_staleness(cfg)
-    sampling = collector_contract(cfg)
     top_k, top_p = sampling.top_k, sampling.top_p
     truncated = Truncation(top_k, top_p).active and sampling.temperature > 0
     if mode != "none" and truncated and not sampling.score_truncated:
@@ -268,16 +259,15 @@ def check_staleness(cfg) -> None:
                         "do; use one of them")
 
 
-def check_critic_pretrain(cfg) -> None:
+def check_critic_pretrain(cfg, label: str, needs_critic: bool, rewards: dict) -> None:
     """``train.critic_pretrain_rollouts`` (`rlpipe.core.step.critic_pretrain`) needs a critic of
-    its own, raw scores and a reward that declares ``scores_prefixes``."""
+    its own, raw scores and a reward that declares ``scores_prefixes`` (``rewards``: each
+    reward's label and `RewardContract`; ``label``: the advantage's)."""
     if not cfg.train.critic_pretrain_rollouts:
         return
     key = "train.critic_pretrain_rollouts"
-    advantage = resolve_plugin(cfg.advantage, "advantages")
-    if not registry.declared("advantages", advantage.obj, "needs_critic"):
-        raise UserError(f"{key}: advantage {advantage.spec.label} reads no value, so this run "
-                        f"has no critic; set it to 0")
+    if not needs_critic:
+        raise UserError(f"{key}: {label} reads no value, so this run has no critic; set it to 0")
     if cfg.models.critic.shared_backbone:
         raise UserError(f"{key}: models.critic.shared_backbone puts the value head on the actor's "
                         f"own backbone, so pretraining the critic would move the policy; use a "
@@ -285,38 +275,17 @@ def check_critic_pretrain(cfg) -> None:
     if cfg.reward.normalize:
         raise UserError(f"{key}: reward.normalize rescales the scores as the run goes, so the "
                         f"raw prefix scores are not the critic's target; turn one of them off")
-    rewards = {r.key: resolve_plugin(r, "rewards").obj for r in cfg.rewards}
-    if rewards and not any(registry.declared("rewards", obj, "scores_prefixes")
-                           for obj in rewards.values()):
+    if rewards and not any(c.scores_prefixes for c in rewards.values()):
         raise UserError(f"{key}: none of the rewards ({', '.join(rewards)}) scores partial "
                         f"responses (declares scores_prefixes, as reward_model does)")
 
 
-def check_advantage(cfg) -> None:
-    """Groups for an advantage that needs them; ``kl.in`` and ``kl.estimator`` for it
-    (`rlpipe.core.config.kl_placement`)."""
-    plugin = resolve_plugin(cfg.advantage, "advantages")
-    label = f"advantage {plugin.spec.label}"
-    n = collector_contract(cfg).samples_per_prompt
-    if registry.declared("advantages", plugin.obj, "needs_groups") and n < 2:
+def check_groups(cfg, label: str, needs_groups: bool, n: int) -> None:
+    """Groups of ``n >= 2`` samples for an advantage whose contract ``needs_groups`` (``label``
+    names it), and for ``data.dynamic_sampling``."""
+    if needs_groups and n < 2:
         raise UserError(f"collector.n: {label} compares the samples of each prompt, so it needs "
                         f"collector.n >= 2 (got {n}); with one sample per prompt it never updates")
     if cfg.data.dynamic_sampling.enabled and n < 2:
         raise UserError(f"data.dynamic_sampling drops the prompts whose samples all score the "
                         f"same, so it needs collector.n >= 2 (got {n})")
-    resolve_placement(cfg.kl, plugin.obj)
-    advantage = _advantage_instance(plugin, cfg.advantage, label)
-    if advantage is not None:
-        check_placement(cfg.kl.in_, cfg.kl.coef, advantage, label)
-
-
-def _advantage_instance(plugin, section, label: str):
-    """The advantage as the run would build it, where that needs no `RunContext` (a declaration
-    such as ``group_normalised`` may follow its arguments); else None (checked at build)."""
-    obj, spec = plugin.obj, plugin.spec
-    if not inspect.isclass(obj):
-        return obj if getattr(spec, "instance", None) is not None else None
-    if "ctx" in inspect.signature(obj).parameters:
-        return None
-    kwargs = dict(spec.kwargs) if hasattr(spec, "factory") else references.plugin_args(section)
-    return registry.instantiate(obj, kwargs, None, label)

@@ -1,11 +1,11 @@
-"""Where the KL penalty acts and which estimator it uses, chosen from the advantage's declaration
+"""Where the KL penalty acts and which estimator it uses, chosen from the advantage's contract
 when the config leaves them out (``kl.in``, ``kl.estimator``), and the combinations refused.
+`rlpipe.core.config.plan.plan_run` asks once per plan; the config is never written.
 """
 
 from __future__ import annotations
 
 from rlpipe.core.base.errors import UserError
-from rlpipe.core.contracts import registry
 
 WHERE = ("reward", "loss")
 # kl.estimator when unset: k1 in the reward (an unbiased estimate of the KL the score pays);
@@ -14,55 +14,48 @@ WHERE = ("reward", "loss")
 DEFAULT_ESTIMATOR = {"reward": "k1", "loss": "k2"}
 
 
-def resolve_placement(kl_cfg, advantage) -> None:
-    """Fill in ``kl.in`` and ``kl.estimator`` where the config leaves them null (`KLConfig`):
-    the place the advantage declares (``kl_in``, `rlpipe.core.contracts.registry.DECLARED`), and
-    `DEFAULT_ESTIMATOR` for that place. The keys it chose are kept in ``kl_cfg.auto``, so that a
-    later call for another advantage (a stage given from Python) chooses them again. k1 in the
-    loss is refused: its expected gradient on-policy is 0, it regularises nothing.
+def resolve_placement(kl_cfg, contract) -> tuple[str, str, tuple[str, ...]]:
+    """``(where, estimator, chosen)``: ``kl.in`` and ``kl.estimator``, each the config's or, left
+    null, the place the advantage's contract declares (``kl_in``) and `DEFAULT_ESTIMATOR` for
+    that place; ``chosen`` names the keys chosen so. k1 in the loss is refused: its expected
+    gradient on-policy is 0, it regularises nothing.
 
     >>> from rlpipe.core.config.settings import KLConfig
-    >>> class Grouped:
-    ...     kl_in = "loss"
-    >>> cfg = KLConfig(); resolve_placement(cfg, Grouped); (cfg.in_, cfg.estimator)
-    ('loss', 'k2')
-    >>> resolve_placement(cfg, object); (cfg.in_, cfg.estimator)
-    ('reward', 'k1')
-    >>> resolve_placement(KLConfig(estimator="k1"), Grouped)
+    >>> from rlpipe.core.contracts.kinds import AdvantageContract
+    >>> grouped = AdvantageContract(kl_in="loss")
+    >>> resolve_placement(KLConfig(), grouped), resolve_placement(KLConfig(), AdvantageContract())
+    (('loss', 'k2', ('kl.in', 'kl.estimator')), ('reward', 'k1', ('kl.in', 'kl.estimator')))
+    >>> resolve_placement(KLConfig(estimator="k1"), grouped)
     Traceback (most recent call last):
     ...
     rlpipe.core.base.errors.UserError: kl.estimator: k1 in the loss regularises nothing (its gradient, E[grad log pi], is 0 on-policy); set kl.estimator: k2 (the exact gradient of KL(pi || pi_ref)) or k3, or kl.in: reward
     """
-    auto = kl_cfg.auto
-    if auto is None:
-        auto = tuple(name for name in ("in_", "estimator") if getattr(kl_cfg, name) is None)
-    where = registry.declared("advantages", advantage, "kl_in") if "in_" in auto else kl_cfg.in_
-    if where not in WHERE:
-        raise UserError(f"{registry.label_of(advantage)} declares kl_in={where!r}; "
-                        f"expected one of {', '.join(WHERE)}")
-    estimator = DEFAULT_ESTIMATOR[where] if "estimator" in auto else kl_cfg.estimator
+    chosen = tuple(key for key, value in (("kl.in", kl_cfg.in_), ("kl.estimator", kl_cfg.estimator))
+                   if value is None)
+    where = contract.kl_in if "kl.in" in chosen else kl_cfg.in_
+    estimator = DEFAULT_ESTIMATOR[where] if "kl.estimator" in chosen else kl_cfg.estimator
     if where == "loss" and estimator == "k1":
         raise UserError("kl.estimator: k1 in the loss regularises nothing (its gradient, "
                         "E[grad log pi], is 0 on-policy); set kl.estimator: k2 (the exact "
                         "gradient of KL(pi || pi_ref)) or k3, or kl.in: reward")
-    kl_cfg.in_, kl_cfg.estimator, kl_cfg.auto = where, estimator, auto
+    return where, estimator, chosen
 
 
-def check_placement(where: str, coef: float, advantage, label: str) -> None:
+def check_placement(where: str, coef: float, contract, label: str) -> None:
     """``kl.in: reward`` with an advantage that divides each group's scores by their spread
-    (declares ``group_normalised``, e.g. GRPO's std scaling) is refused when ``coef > 0``: the
-    KL part of the scores would be blown up to unit-size advantages, noise as signal.
+    (its contract says ``group_normalised``, e.g. GRPO's std scaling) is refused when
+    ``coef > 0``: the KL part of the scores would be blown up to unit-size advantages, noise as
+    signal.
 
-    >>> class Normalised:
-    ...     group_normalised = True
-    >>> check_placement("loss", 0.05, Normalised(), "advantage 'grpo'")
-    >>> check_placement("reward", 0.05, Normalised(), "advantage 'grpo'")
+    >>> from rlpipe.core.contracts.kinds import AdvantageContract
+    >>> normalised = AdvantageContract(group_normalised=True)
+    >>> check_placement("loss", 0.05, normalised, "advantage 'grpo'")
+    >>> check_placement("reward", 0.05, normalised, "advantage 'grpo'")
     Traceback (most recent call last):
     ...
     rlpipe.core.base.errors.UserError: kl.in: reward puts -coef * KL into each sample's score, and advantage 'grpo' divides each group's scores by their std, which turns KL noise into unit-size advantages; set kl.in: loss (its default) or kl.coef: 0
     """
-    if where == "reward" and coef > 0 and registry.declared("advantages", advantage,
-                                                             "group_normalised"):
+    if where == "reward" and coef > 0 and contract.group_normalised:
         raise UserError(f"kl.in: reward puts -coef * KL into each sample's score, and {label} "
                         f"divides each group's scores by their std, which turns KL noise into "
                         f"unit-size advantages; set kl.in: loss (its default) or kl.coef: 0")

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 
 from rlpipe.core.config.checks import check_config
+from rlpipe.core.config.plan import plan_run
 from rlpipe.core.base.hub import ModelPath
 from rlpipe.core.observe.health.monitor import HealthConfig
 from rlpipe.core.base.errors import UserError
@@ -177,7 +178,6 @@ class KLConfig:
     target: float | None = num(None, "> 0", "set: adaptive beta towards this KL (Ziegler et al. "
                                             "2019)")
     horizon: int = num(10000, ">= 1", "the adaptive controller's horizon")
-    auto = None  # not a field: the keys load_config chose (`rlpipe.core.config.kl_placement.resolve_placement`)
 
 
 @dataclass
@@ -383,8 +383,9 @@ def _dump(obj):
 def load_config(source, overrides=()) -> Config:
     """Read a YAML config (a path), or take a dict of the same shape or a `Config`, apply
     ``KEY=VALUE`` overrides, and check every key, type, range, file and plugin argument, and the
-    rules between keys (`rlpipe.core.config.checks`), before any model is built. A dict's
-    relative paths are relative to the working directory.
+    rules between keys (`rlpipe.core.config.checks`) and the plugins' contracts (the run's plan,
+    `rlpipe.core.config.plan.plan_run`, derived and dropped: the config is not written), before
+    any model is built. A dict's relative paths are relative to the working directory.
 
     >>> cfg = load_config({"models": {"actor": {"path": "examples/tiny/model", "init": "random"}},
     ...                    "data": {"prompts": "examples/tiny/prompts.txt"}}, ["run.steps=2"])
@@ -411,4 +412,5 @@ def load_config(source, overrides=()) -> Config:
     conv = Converter(base, cli_keys)
     cfg = conv.section(Config, raw, "")
     check_config(cfg, conv)
+    plan_run(cfg)  # the rules that read the plugins' contracts
     return cfg

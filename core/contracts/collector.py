@@ -36,57 +36,13 @@ CollectorContract(samples_per_prompt=1, max_new_tokens=0, max_prompt_tokens=0, b
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.base.truncation import Truncation
 from rlpipe.core.contracts import registry
+from rlpipe.core.contracts.kinds import CollectorContract
 
-
-@dataclass(frozen=True)
-class CollectorContract:
-    """How a collector samples, as far as core needs to know (defaults: a collector that says
-    nothing)."""
-
-    samples_per_prompt: int = 1     # responses per prompt (``group_id`` groups them)
-    max_new_tokens: int = 0         # the response budget in tokens (0: unknown)
-    max_prompt_tokens: int = 0      # the prompt budget in tokens (0: unknown)
-    budget_args: tuple = ("", "")   # the arguments that hold the prompt and response budgets
-    defaults: frozenset = frozenset()  # the arguments left at their defaults: a default prompt
-                                    # budget is lowered to fit the context, and messages say so
-    context_tokens: int = 0         # the engine's own limit on prompt + response (0: the model's)
-    temperature: float = 1.0        # sampling temperature; the trainer divides logits by it (0:
-                                    # greedy, scored at 1)
-    top_k: int = 0                  # sampling filters (0 and 1.0: off)
-    top_p: float = 1.0
-    score_truncated: bool = False   # the trainer scores tokens under the same truncated
-                                    # distribution (`rlpipe.core.base.truncation`)
-    chat_template: bool = False     # the collector wraps text prompts in the chat template
-    overlaps_update: bool = False   # ``collect`` may run in a thread while the actor trains: the
-                                    # engine holds its own weights (``sync_weights`` alone
-                                    # changes them) and computes apart (``rollout.staleness: 1``)
-
-    @property
-    def truncation(self) -> Truncation | None:
-        """The sampler's `Truncation` when the trainer must score under it: asked for
-        (``score_truncated``), a filter on, and sampling (temperature > 0); else None."""
-        kept = Truncation(self.top_k, self.top_p)
-        return kept if self.score_truncated and kept.active and self.temperature > 0 else None
-
-    def problem(self) -> str | None:
-        """What is wrong with these values, or None."""
-        counts = ("max_new_tokens", "max_prompt_tokens", "context_tokens", "top_k")
-        for name in ("samples_per_prompt", *counts):
-            value, low = getattr(self, name), int(name == "samples_per_prompt")
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                return f"{name} must be an integer >= {low}, got {value!r}"
-        number = (int, float)
-        if not isinstance(self.temperature, number) or not 0 <= self.temperature < math.inf:
-            return f"temperature must be >= 0 and finite, got {self.temperature!r}"
-        if not isinstance(self.top_p, number) or not 0 < self.top_p <= 1:
-            return f"top_p must be in (0, 1], got {self.top_p!r}"
-        return None
+__all__ = ["CollectorContract", "contract_of", "close_collector", "request_actor_log_prob",
+           "sampling_view", "request_hidden"]
 
 
 def contract_of(collector, args: dict, label: str) -> CollectorContract:

@@ -8,9 +8,9 @@ import or has the wrong shape is reported as ``group:name (distribution version)
 does not take the others down. ``RLPIPE_DISABLE_PLUGIN_AUTOLOAD=1`` restricts the registry to
 rlpipe's built-ins.
 
-Optional attributes that a plugin class may declare and that have no contract module of their own
-(an advantage's ``needs_critic``; collectors: `rlpipe.core.contracts.collector`, losses:
-`rlpipe.core.step.loss`) are listed with their defaults in `DECLARED` and read through `declared`.
+What core knows about a plugin is its contract (`rlpipe.core.contracts.kinds`: collectors,
+advantages, rewards, losses); the optional methods of collectors and losses are listed with their
+defaults in `DECLARED` and read through `declared`.
 
 >>> from rlpipe.core.contracts import registry
 >>> sorted(registry.find("advantages"))[:1]
@@ -18,7 +18,7 @@ Optional attributes that a plugin class may declare and that have no contract mo
 >>> plugin = registry.get("advantages", "gae")
 >>> plugin.obj.__name__, plugin.spec.dist, registry.load("advantages", "gae") is plugin.obj
 ('GAE', 'rlpipe', True)
->>> registry.declared("advantages", plugin.obj, "needs_critic")
+>>> registry.declared("losses", registry.load("losses", "ppo"), "set_kl") is not None
 True
 """
 
@@ -228,35 +228,26 @@ def load(group: str, name: str):
     return get(group, name).obj
 
 
-# Optional attributes a plugin class may declare, per group, with the value core uses when it does
-# not; core reads them only through `declared`.
+# Optional attributes of collectors and losses, with the value core uses when a plugin has none;
+# core reads them only through `declared`. (Advantages and rewards declare a contract alone:
+# `rlpipe.core.contracts.kinds`.)
 DECLARED = {
-    # needs_critic False: the estimator reads no value, no critic is built; needs_groups True:
-    # it compares the samples of a prompt (collector n >= 2); kl_in: where the KL penalty goes
-    # unless kl.in says ("loss" for group-relative scores); group_normalised True: it divides
-    # each group's scores by their spread, so a KL in the score is refused (rlpipe.core.step.kl)
-    "advantages": {"needs_critic": True, "needs_groups": False, "kl_in": "reward",
-                   "group_normalised": False},
     # read through rlpipe.core.contracts.collector: the contract, then optional methods
     "collectors": {"contract": None, "close": None, "record_hidden": None,
                    "record_actor_log_prob": None, "sampling_view": None},
     # read through rlpipe.core.step.loss.contract_of: None means LossContract()'s defaults
     "losses": {"contract": None, "set_kl": None},
-    # columns: dataset columns a reward reads (checked against the data before the first step);
-    # scores_prefixes True: its score of a partial response estimates its score of the finished
-    # one (train.critic_pretrain_rollouts regresses the critic on it)
-    "rewards": {"columns": (), "scores_prefixes": False},
 }
 
 
 def declared(group: str, obj, name: str):
-    """The attribute ``name`` that plugin ``obj`` (class or instance) of ``group`` declares, or its
-    documented default from `DECLARED`.
+    """The optional attribute ``name`` that plugin ``obj`` (class or instance) of ``group``
+    declares, or its documented default from `DECLARED`.
 
-    >>> class Baseline:
-    ...     needs_critic = False
-    >>> declared("advantages", Baseline, "needs_critic"), declared("advantages", object, "needs_critic")
-    (False, True)
+    >>> class Engine:
+    ...     def close(self): ...
+    >>> callable(declared("collectors", Engine, "close")), declared("collectors", object, "close")
+    (True, None)
     """
     default = DECLARED[group][name]
     return getattr(obj, name, default)

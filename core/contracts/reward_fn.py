@@ -1,10 +1,15 @@
-"""Reward functions as reward modules: ``f(prompts, responses, **batch) -> Sequence[float]``
-wrapped into an ``nn.Module`` class whose ``forward(td)`` returns a [B] float tensor.
+"""Reward functions as reward modules: a function in one of three conventions (rlpipe's, TRL's,
+verl's) wrapped into an ``nn.Module`` class whose ``forward(td)`` returns a [B] float tensor, or,
+where the function said "not applicable" (``None``) or returned verl's dicts, a dict
+``{"score": [B], "applies": [B] bool, KEY: [B]}`` (`rlpipe.core.step.rewards.RewardComposer`).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
+import warnings
 
 import torch
 from torch import nn
@@ -22,6 +27,10 @@ def batch_texts(td, key) -> list:
 
 TRL_ARGS = ("prompts", "completions", "completion_ids")  # TRL's keywords (GRPOTrainer)
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")  # verl's compute_score
+VERL_TRUTH = "reward_model.ground_truth"  # verl's parquet layout: a key of the reward_model column
+CONVENTIONS = {"rlpipe": "rlpipe's f(prompts, responses, **batch)",
+               "trl": "TRL's f(completions, **kwargs)",
+               "verl": "verl's compute_score(data_source, solution_str, ground_truth, extra_info)"}
 ACCEPTED = ("f(prompts, responses, **batch) (rlpipe), f(completions, **kwargs) with prompts, "
             "completion_ids and dataset columns as keywords (TRL), or "
             "compute_score(data_source, solution_str, ground_truth, extra_info=None) (verl)")
@@ -60,85 +69,252 @@ def reward_convention(fn) -> tuple[str, list[inspect.Parameter]]:
     raise UserError(f"reward function {name}{sig} fits no accepted signature: {ACCEPTED}")
 
 
+def column_values(columns: dict[str, list], name: str) -> list | None:
+    """The values of the column ``name``; for ``COLUMN.KEY`` (verl's ``reward_model.ground_truth``)
+    the column ``KEY`` where there is one, else each row's ``KEY`` in the dicts of ``COLUMN``;
+    None where the data has neither.
+
+    >>> column_values({"reward_model": [{"ground_truth": "4"}]}, "reward_model.ground_truth")
+    ['4']
+    >>> column_values({"answer": ["4"]}, "answer"), column_values({}, "answer")
+    (['4'], None)
+    """
+    outer, _, key = name.rpartition(".")
+    if name in columns or not outer:
+        return columns.get(name)
+    if key in columns:
+        return columns[key]
+    if outer in columns:
+        return [row.get(key) if isinstance(row, dict) else None for row in columns[outer]]
+    return None
+
+
 def _columns(td) -> dict[str, list]:
     if schema.DATA not in td.keys():
         return {}
     return {k: batch_texts(td, (schema.DATA, k)) for k in td.get(schema.DATA).keys()}
 
 
-def _trl_kwargs(td) -> dict:
-    """TRL's keyword arguments: prompts and completions (message lists for a chat dataset),
-    completion token ids, the dataset columns."""
-    prompts, responses = batch_texts(td, schema.PROMPT_TEXT), batch_texts(td, schema.RESPONSE_TEXT)
-    completions = responses
-    if schema.PROMPT_MESSAGES in td.keys():
-        prompts = batch_texts(td, schema.PROMPT_MESSAGES)
-        completions = [[{"role": "assistant", "content": r}] for r in responses]
-    ids = [row[m].tolist() for row, m in zip(td.get(schema.RESPONSE_IDS),
-                                             td.get(schema.RESPONSE_MASK))]
-    return {**_columns(td), "prompts": prompts, "completions": completions, "completion_ids": ids}
+def _number(name: str, x, where: str):
+    """``x`` as a float, or None (not applicable); anything else is one line."""
+    if x is None:
+        return None
+    if isinstance(x, (str, bytes)) or not isinstance(x, (numbers.Real, torch.Tensor)) or (
+            isinstance(x, torch.Tensor) and x.numel() != 1):
+        raise UserError(f"reward function {name} returned {x!r:.40} {where}; expected a number "
+                        f"(None: not applicable)")
+    return float(x)
 
 
-def _verl_scores(fn, td, kwargs: dict) -> list:
-    """verl's ``compute_score`` per sample: ``ground_truth`` from the column of that name or
-    from ``reward_model["ground_truth"]`` (verl's parquet layout); a dict result gives its
-    ``"score"``."""
-    columns, responses = _columns(td), batch_texts(td, schema.RESPONSE_TEXT)
-    truth = columns.get("ground_truth")
-    if truth is None and "reward_model" in columns:
-        truth = [rm.get("ground_truth") if isinstance(rm, dict) else None
-                 for rm in columns["reward_model"]]
-    if truth is None:
-        raise UserError(f"reward function {fn.__name__} (verl's compute_score) needs a dataset "
-                        f"column ground_truth, or reward_model with a ground_truth key")
-    none = [None] * len(responses)
-    wanted = {p for p in inspect.signature(fn).parameters}
-    out = []
-    for i, response in enumerate(responses):
-        args = {"data_source": columns.get("data_source", none)[i], "solution_str": response,
-                "ground_truth": truth[i], "extra_info": columns.get("extra_info", none)[i]}
-        score = fn(**{k: v for k, v in args.items() if k in wanted}, **kwargs)
-        out.append(score["score"] if isinstance(score, dict) else score)
-    return out
+def scores(name: str, out, n: int) -> list:
+    """A function's result for ``n`` samples as floats (None: not applicable): a sequence of ``n``
+    numbers; a dict, a string or another length is one line.
+
+    >>> scores("f", [1, None, True], 3)
+    [1.0, None, 1.0]
+    >>> scores("f", "101", 3)
+    Traceback (most recent call last):
+    ...
+    rlpipe.core.base.errors.UserError: reward function f returned a str; expected a list of 3 numbers, one per sample (None: not applicable)
+    """
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+        raise UserError(f"reward function {name} returned a {type(out).__name__}; expected a list "
+                        f"of {n} numbers, one per sample (None: not applicable)")
+    if len(out) != n:
+        raise UserError(f"reward function {name} returned {len(out)} values for {n} samples; "
+                        f"expected one number per sample")
+    return [_number(name, x, f"for sample {i}") for i, x in enumerate(out)]
 
 
-def _rlpipe_scores(fn, td, kwargs: dict, defaults: dict):
-    """rlpipe's convention: ``fn(prompts, responses, **batch)`` with the batch's top-level
-    entries and the dataset columns; a column named like one of ``fn``'s settings is refused."""
-    skip = {schema.PROMPT_TEXT, schema.RESPONSE_TEXT, schema.DATA, *kwargs}
-    batch = {k: td.get(k) for k in td.keys() if k not in skip}
-    columns = _columns(td)
-    shadowing = [c for c in columns if c in defaults]
-    if shadowing:  # it would replace the setting's value silently
-        c = shadowing[0]
-        raise UserError(f"reward function {fn.__name__}: the data column {c!r} has the name of "
-                        f"its setting {c} (default {defaults[c]!r}); rename the column or the "
-                        f"parameter")
-    batch.update(columns)
-    return fn(batch_texts(td, schema.PROMPT_TEXT), batch_texts(td, schema.RESPONSE_TEXT),
-              **batch, **kwargs)
+def _verl_result(name: str, results: list) -> tuple[list, dict[str, list]]:
+    """verl's per-sample results: numbers, None, or dicts whose ``score`` is the reward and whose
+    other numeric keys are kept (``{key: values}``), as verl's reward manager keeps them."""
+    values, extras, keys = [], {}, None
+    for i, result in enumerate(results):
+        if not isinstance(result, dict):
+            values.append(_number(name, result, f"for sample {i}"))
+            continue
+        if "score" not in result:
+            raise UserError(f"reward function {name} returned a dict without 'score' for sample "
+                            f"{i} (keys: {', '.join(map(str, result))}); verl's dicts hold the "
+                            f"reward under 'score'")
+        values.append(_number(name, result["score"], f"under 'score' for sample {i}"))
+        mine = [k for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)]
+        if keys is not None and mine != keys:
+            raise UserError(f"reward function {name} returned dicts with different numeric keys: "
+                            f"{', '.join(keys)} before sample {i}, {', '.join(mine) or 'none'} "
+                            f"there")
+        keys = mine
+        for k in mine:
+            extras.setdefault(k, []).append(float(result[k]))
+    if extras and len(next(iter(extras.values()))) != len(values):
+        raise UserError(f"reward function {name} returned a dict for some samples and a number "
+                        f"for others")
+    return values, extras
 
 
-def wrap_reward_function(fn) -> type[nn.Module]:
-    """Turn a reward function into a reward module class. Three conventions, told apart by the
-    signature (`reward_convention`) when the function is loaded:
+class FunctionReward(nn.Module):
+    """A reward function as a reward module. `wrap_reward_function` makes one subclass per
+    function: its settings (keyword parameters with a default) are the constructor's keywords,
+    and ``columns`` maps a parameter to a data column of another name (``{ground_truth: answer}``).
+    An instance's ``columns`` are the data columns it reads (``COLUMN.KEY``: a key of a dict column,
+    or a column named ``KEY``: `column_values`)."""
 
-    - rlpipe's ``fn(prompts, responses, **batch) -> Sequence[float]``: the batch's other
-      top-level entries (``response_mask``, ...) and every dataset column as a list under its
-      own name (``answer=[...]``), so ``fn`` must take ``**batch``. A column named like a batch
-      entry shadows that entry here; reward modules read both (``td["data", name]``);
+    fn = None              # the function (a staticmethod of the subclass)
+    convention = "rlpipe"  # rlpipe, trl or verl (`reward_convention`)
+    own = ()               # the convention's inputs that are not columns (prompts, solution_str)
+    named = ()             # its other named parameters: columns, or settings where they have a default
+    required = ()          # those without a default: columns it reads
+    takes_any = False      # it takes ``**kwargs`` (rlpipe, TRL: every column reaches it)
+    columns = ()           # the columns it reads without a mapping
+
+    def __init__(self, columns: dict | None = None, **kwargs):
+        super().__init__()
+        if "columns" in self.named:  # the function's own setting named columns: no mapping
+            kwargs, columns = ({**kwargs, "columns": columns} if columns is not None else kwargs), None
+        self.kwargs, self.warned = kwargs, set()
+        self.columns = type(self).reads(columns or {})
+        self.mapping = self._mapping(columns or {})
+
+    @classmethod
+    def reads(cls, mapping: dict) -> tuple[str, ...]:
+        """The columns read under ``mapping``: required parameters', verl's ``ground_truth``
+        (`VERL_TRUTH` unless mapped), the mapped ones."""
+        if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in mapping.items()):
+            raise UserError(f"reward function {cls.fn.__name__}: columns maps parameters to "
+                            f"column names ({{ground_truth: answer}}); got {mapping!r}")
+        names = [mapping.get(p, p) for p in cls.required]
+        if cls.convention == "verl":
+            names.append(mapping.get("ground_truth", VERL_TRUTH))
+        return tuple(dict.fromkeys(names + list(mapping.values())))
+
+    def _mapping(self, mapping) -> dict[str, str]:
+        name = self.fn.__name__
+        verl = ("data_source", "ground_truth", "extra_info") if self.convention == "verl" else ()
+        for param, column in mapping.items():
+            if param in self.kwargs:
+                raise UserError(f"reward function {name}: the config sets {param} and columns "
+                                f"maps it to the column {column!r}; keep one")
+            if param in self.own or not (param in self.named or param in verl or (
+                    self.takes_any and self.convention != "verl")):
+                accepted = ", ".join([*self.named, *verl]) or "none"
+                raise UserError(f"reward function {name}: columns maps {param}, which is not a "
+                                f"parameter it reads a column into; parameters: {accepted}")
+        return dict(mapping)
+
+    def _inputs(self, columns: dict[str, list]) -> dict[str, list]:
+        """``{parameter: values}``: the columns that reach the function (every column where it
+        takes ``**kwargs``, else those named like a parameter), the mapped ones under their
+        parameter; a setting the config sets keeps its value (one warning line)."""
+        name, verl = self.fn.__name__, self.convention == "verl"
+        wanted = set(self.named) | ({"data_source", "ground_truth", "extra_info"} if verl else set())
+        got = {c: v for c, v in columns.items()
+               if c not in self.own and (c in wanted or (self.takes_any and not verl))}
+        for param, column in self.mapping.items():
+            got[param] = column_values(columns, column)
+            if got[param] is None:
+                raise UserError(f"reward function {name}: columns maps {param} to the column "
+                                f"{column!r}, which the data does not have; columns: "
+                                f"{', '.join(columns) or 'none'}")
+        if verl and "ground_truth" not in got:
+            got["ground_truth"] = column_values(columns, VERL_TRUTH)
+            if got["ground_truth"] is None:
+                raise UserError(f"reward function {name} (verl's compute_score) needs a dataset "
+                                f"column ground_truth, or reward_model with a ground_truth key "
+                                f"(or columns: {{ground_truth: COLUMN}})")
+        for param in [p for p in got if p in self.kwargs]:
+            if param not in self.warned:
+                self.warned.add(param)
+                warnings.warn(f"reward function {name}: the config sets {param}="
+                              f"{self.kwargs[param]!r}, so the data column {param!r} does not "
+                              f"reach it (the config wins)", stacklevel=2)
+            del got[param]
+        return got
+
+    def _call(self, td, inputs: dict[str, list]):
+        """The function's result for the batch (verl's: a list of per-sample results)."""
+        fn, wanted = self.fn, set(inspect.signature(self.fn).parameters)
+        responses = batch_texts(td, schema.RESPONSE_TEXT)
+        if self.convention == "verl":
+            inputs.setdefault("data_source", [None] * len(responses))
+            return [fn(solution_str=r, **{k: v[i] for k, v in inputs.items() if k in wanted},
+                       **self.kwargs) for i, r in enumerate(responses)]
+        if self.convention == "trl":
+            prompts, completions = batch_texts(td, schema.PROMPT_TEXT), responses
+            if schema.PROMPT_MESSAGES in td.keys():  # a chat dataset: message lists, as TRL
+                prompts = batch_texts(td, schema.PROMPT_MESSAGES)
+                completions = [[{"role": "assistant", "content": r}] for r in responses]
+            ids = [row[m].tolist() for row, m in zip(td.get(schema.RESPONSE_IDS),
+                                                     td.get(schema.RESPONSE_MASK))]
+            args = {**inputs, "prompts": prompts, "completions": completions, "completion_ids": ids}
+            return fn(**{k: v for k, v in args.items() if self.takes_any or k in wanted},
+                      **self.kwargs)
+        skip = {schema.PROMPT_TEXT, schema.RESPONSE_TEXT, schema.DATA, *self.kwargs, *self.own}
+        args = {**{k: td.get(k) for k in td.keys() if k not in skip}, **inputs}
+        return fn(batch_texts(td, schema.PROMPT_TEXT), responses,
+                  **{k: v for k, v in args.items() if self.takes_any or k in wanted}, **self.kwargs)
+
+    def forward(self, td):
+        name, n = self.fn.__name__, td.batch_size[0]
+        out = self._call(td, self._inputs(_columns(td)))
+        values, extras = (_verl_result(name, out) if self.convention == "verl"
+                          else (scores(name, out, n), {}))
+        score = torch.tensor([0.0 if v is None else v for v in values], dtype=torch.float32)
+        if None not in values and not extras:
+            return score
+        result = {"score": score, **{k: torch.tensor(v, dtype=torch.float32)
+                                     for k, v in extras.items()}}
+        if None in values:
+            result["applies"] = torch.tensor([v is not None for v in values])
+        return result
+
+    def describe(self, label: str) -> str:
+        """One line: the function, its convention, the columns it reads."""
+        mapped = {c: p for p, c in self.mapping.items()}
+        reads = [f"{c} (as {mapped[c]})" if mapped.get(c, c) != c else c for c in self.columns]
+        return (f"reward {label!r}: {self.fn.__name__}, {CONVENTIONS[self.convention]}; reads "
+                f"{'columns ' + ', '.join(reads) if reads else 'no column'}")
+
+
+def describe_reward(label: str, module, columns=()) -> str:
+    """The line a run prints and records for each reward: a function's convention and the
+    columns it reads; a reward module's class and its declared ``columns``.
+
+    >>> def exact(prompts, responses, answer, **batch):
+    ...     return [float(r == a) for r, a in zip(responses, answer)]
+    >>> describe_reward("exact", wrap_reward_function(exact)())
+    "reward 'exact': exact, rlpipe's f(prompts, responses, **batch); reads columns answer"
+    >>> def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    ...     return float(ground_truth in solution_str)
+    >>> describe_reward("math", wrap_reward_function(compute_score)(columns={"ground_truth": "answer"}))
+    "reward 'math': compute_score, verl's compute_score(data_source, solution_str, ground_truth, extra_info); reads columns answer (as ground_truth)"
+    """
+    if isinstance(module, FunctionReward):
+        return module.describe(label)
+    reads = f"columns {', '.join(columns)}" if columns else "no column"
+    return f"reward {label!r}: {type(module).__name__}, a reward module; reads {reads}"
+
+
+def wrap_reward_function(fn) -> type[FunctionReward]:
+    """Turn a reward function into a reward module class (a `FunctionReward`). Three
+    conventions, told apart by the signature (`reward_convention`) when the function is loaded:
+
+    - rlpipe's ``fn(prompts, responses, **batch)``: the batch's other top-level entries
+      (``response_mask``, ...) and every dataset column as a list under its own name
+      (``answer=[...]``). A column named like a batch entry shadows that entry here;
     - TRL's ``fn(completions, **kwargs)``: keywords ``prompts``, ``completions`` (for a chat
       dataset, message lists: ``[{"role": "assistant", "content": ...}]``), ``completion_ids``
       and the dataset columns, as TRL's ``GRPOTrainer`` passes them;
     - verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``, called
       once per sample with the columns of those names (``ground_truth`` may sit in verl's
-      ``reward_model`` column); a dict result gives its ``"score"``.
+      ``reward_model`` column); a dict result's ``"score"`` is the reward, its other numeric keys
+      are logged (``reward/<label>/<key>``).
 
-    Keyword parameters beyond the convention's own that have a default become config keys;
-    those without one name the dataset columns it reads (declared as ``columns``, so a missing
-    column is an error before the first step).
+    A parameter without a default names a column it reads; one with a default is a config key,
+    and receives the column of its name where the config does not set it. ``None`` for a sample
+    means "not applicable" (TRL's meaning: it adds nothing to that sample's score).
 
-    >>> import torch
     >>> from tensordict import TensorDict, NonTensorStack
     >>> def exact(prompts, responses, answer, **batch):
     ...     return [float(r == a) for r, a in zip(responses, answer)]
@@ -152,37 +328,20 @@ def wrap_reward_function(fn) -> type[nn.Module]:
     tensor([1., 0.])
     """
     kind, params = reward_convention(fn)
+    sig = inspect.signature(fn)
     named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     config_params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in named
                      if p.default is not p.empty]
-    defaults = {p.name: p.default for p in config_params}
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
-    wanted = set(inspect.signature(fn).parameters)
-
-    class FunctionReward(nn.Module):
-        columns = tuple(p.name for p in named if p.default is p.empty)
-        convention = kind
-
-        def __init__(self, **kwargs):
-            super().__init__()
-            self.kwargs = kwargs
-
-        def forward(self, td):
-            if kind == "verl":
-                out = _verl_scores(fn, td, self.kwargs)
-            elif kind == "trl":
-                args = {k: v for k, v in _trl_kwargs(td).items()
-                        if (takes_any or k in wanted) and k not in self.kwargs}
-                out = fn(**args, **self.kwargs)
-            else:
-                out = _rlpipe_scores(fn, td, self.kwargs, defaults)
-            try:
-                return torch.as_tensor([float(x) for x in out], dtype=torch.float32)
-            except (TypeError, ValueError) as exc:
-                raise UserError(f"reward function {fn.__name__} must return numbers: {exc}") from exc
-
-    FunctionReward.__signature__ = inspect.Signature(config_params)
-    FunctionReward.__name__ = FunctionReward.__qualname__ = fn.__name__
-    FunctionReward.__doc__ = fn.__doc__
-    FunctionReward.__module__ = fn.__module__
-    return FunctionReward
+    own = {"verl": ("solution_str",), "trl": TRL_ARGS}.get(kind, tuple(sig.parameters)[:2])
+    attrs = {"fn": staticmethod(fn), "convention": kind, "own": own,
+             "named": tuple(p.name for p in named),
+             "required": tuple(p.name for p in named if p.default is p.empty),
+             "takes_any": any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()),
+             "__doc__": fn.__doc__, "__module__": fn.__module__,
+             "__qualname__": fn.__name__}
+    cls = type(fn.__name__, (FunctionReward,), attrs)
+    cls.columns = cls.reads({})
+    mapping = [] if "columns" in attrs["named"] else [inspect.Parameter(
+        "columns", inspect.Parameter.KEYWORD_ONLY, default=None)]
+    cls.__signature__ = inspect.Signature(config_params + mapping)
+    return cls

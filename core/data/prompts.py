@@ -29,7 +29,7 @@ from tensordict import NonTensorStack
 from rlpipe.core.base import schema
 from rlpipe.core.base.errors import UserError, describe
 from rlpipe.core.base.files import read_jsonl, read_text
-from rlpipe.core.contracts import registry
+from rlpipe.core.contracts.reward_fn import column_values
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -302,11 +302,21 @@ def load_prompt_data(source, split: str = "train", prompt_key: str = "prompt",
 _KIND_NAMES = {"text": "a string", "chat": "a list of chat messages"}
 
 
-def check_reward_columns(rewards, data: PromptData, where: str) -> None:
-    """Each reward's declared ``columns`` (`rlpipe.core.contracts.registry.DECLARED`) exist in ``data``."""
+def check_reward_columns(contracts: dict, data: PromptData, where: str) -> None:
+    """The ``columns`` of each reward's contract (``contracts``: label -> its
+    `rlpipe.core.contracts.kinds.RewardContract`) exist in ``data``: checked on the data as read,
+    before any model is built.
 
-    for label, module in zip(rewards.labels, rewards.parts):
-        for column in registry.declared("rewards", module, "columns"):
-            if column not in data.columns:
+    >>> from rlpipe.core.contracts.kinds import RewardContract
+    >>> data = PromptData(["1+1="], {"answer": [2]})
+    >>> check_reward_columns({"match": RewardContract(columns=("answer",))}, data, "data.prompts")
+    >>> check_reward_columns({"match": RewardContract(columns=("solution",))}, data, "data.prompts")
+    Traceback (most recent call last):
+    ...
+    rlpipe.core.base.errors.UserError: reward 'match' reads column 'solution', which data.prompts does not have; columns: answer
+    """
+    for label, contract in contracts.items():
+        for column in contract.columns:
+            if column_values(data.columns, column) is None:  # COLUMN.KEY: a dict column's key
                 raise UserError(f"reward {label!r} reads column {column!r}, which {where} does "
                                 f"not have; columns: {', '.join(data.columns) or 'none'}")

@@ -16,11 +16,13 @@ import torch
 
 from rlpipe.core.config import compose
 from rlpipe.core.contracts import references, registry
+from rlpipe.core.contracts.kinds import advantage_contract
 from rlpipe.core.run import rundir, runlock
 from rlpipe.core.config.compose import save_config
 from rlpipe.core.config.settings import Config
-from rlpipe.core.config.checks import collector_contract, resolve_plugin
-from rlpipe.core.data.prompts import PromptData, load_prompt_data
+from rlpipe.core.config.checks import resolve_plugin
+from rlpipe.core.config.plan import RunPlan, Stage, plan_run
+from rlpipe.core.data.prompts import PromptData, check_reward_columns, load_prompt_data
 from rlpipe.core.base import ops
 from rlpipe.core.base.context import RunContext
 from rlpipe.core.models.critic_start import critic_from_reward_model
@@ -31,8 +33,8 @@ from rlpipe.core.models.cpu_memory import keep_freed_memory
 from rlpipe.core.models.denormals import flush_denormals
 from rlpipe.core.models.distributed import Dist, shard
 from rlpipe.core.observe.console import Status, describe_models
-from rlpipe.core.models.lm import (_DTYPES, Models, ValueModel, enable_checkpointing, frozen_copy,
-                                   load_causal_lm, load_tokenizer)
+from rlpipe.core.models.lm import (_DTYPES, Models, ValueModel, cpu_has_bf16, enable_checkpointing,
+                                   frozen_copy, load_causal_lm, load_tokenizer)
 from rlpipe.core.step.rewards import RewardComposer
 
 
@@ -235,39 +237,44 @@ class Plugins:
     loss: torch.nn.Module
 
 
-def _make(group: str, section, ctx: RunContext, where: str):
-    """The plugin instance, tagged with ``where (group:name (distribution version))`` so that
-    errors in its later calls name it (`registry.call`). The plugin is the one `load_config`
-    resolved for ``section``."""
-    plugin = resolve_plugin(section, group)
-    label = f"{where} ({plugin.spec.label})"
-    if isinstance(plugin.spec, compose.ObjectSpec):  # a stage given as a Python object
-        return compose.make(plugin.spec, ctx, label)
-    return registry.instantiate(plugin.obj, references.plugin_args(section), ctx, label)
+def _make(stage: Stage, ctx: RunContext):
+    """The plugin instance of ``stage`` (the plugin `load_config` resolved, with the plan's
+    arguments), tagged with its label so that errors in its later calls name it
+    (`registry.call`)."""
+    if isinstance(stage.plugin.spec, compose.ObjectSpec):  # a stage given as a Python object
+        return compose.make(stage.plugin.spec, ctx, stage.label)
+    return registry.instantiate(stage.plugin.obj, dict(stage.args), ctx, stage.label)
 
 
-def build_plugins(cfg: Config, ctx: RunContext) -> Plugins:
-    collector = _make("collectors", cfg.collector, ctx, "collector")
-    ctx.max_new_tokens = collector_contract(cfg).max_new_tokens
-    parts = [(r.key, r.weight, _make("rewards", r, ctx, f"rewards.{i}"))
-             for i, r in enumerate(cfg.rewards)]
-    advantage = _make("advantages", cfg.advantage, ctx, "advantage")
-    loss = _make("losses", cfg.loss, ctx, "loss")
+def build_plugins(cfg: Config, ctx: RunContext, plan: RunPlan | None = None) -> Plugins:
+    """The plugins of ``plan`` (`plan_run` of ``cfg`` when not given), built with ``ctx``."""
+    plan = plan or plan_run(cfg)
+    collector = _make(plan.collector, ctx)
+    parts = [(r.key, r.weight, _make(stage, ctx)) for r, stage in zip(cfg.rewards, plan.rewards)]
+    advantage, loss = _make(plan.advantage, ctx), _make(plan.loss, ctx)
     rewards = RewardComposer(parts, clip=cfg.reward.clip, normalize=cfg.reward.normalize)
     return Plugins(collector, rewards.to(ctx.device), advantage.to(ctx.device), loss.to(ctx.device))
 
 
 def needs_critic(cfg: Config) -> bool:
-    """Critic-free estimators declare ``needs_critic = False``; no critic is built or trained then
-    (the default, True, is in `registry.DECLARED`). Read from the advantage as it runs: the
-    object given to `Pipeline`, or the class its section names."""
-    advantage = resolve_plugin(cfg.advantage, "advantages").obj
-    return bool(registry.declared("advantages", advantage, "needs_critic"))
+    """Critic-free estimators declare ``AdvantageContract(needs_critic=False)``; no critic is
+    built or trained then (`rlpipe.core.contracts.kinds.advantage_contract`; one that declares
+    nothing gets a critic). Read from the advantage as it runs: the object given to `Pipeline`,
+    or the class its section names, with its section's arguments."""
+    plugin = resolve_plugin(cfg.advantage, "advantages")
+    spec = plugin.spec
+    if isinstance(spec, compose.ObjectSpec):  # an instance: its attributes; a factory: its kwargs
+        args = None if spec.instance is not None else dict(spec.kwargs)
+    else:
+        args = references.plugin_args(cfg.advantage)
+    label = f"advantage ({spec.label})"
+    return advantage_contract(plugin.obj, args, label).needs_critic
 
 
-def load_run_data(cfg, dataset=None) -> tuple[PromptData, PromptData | None]:
+def load_run_data(cfg, plan: RunPlan, dataset=None) -> tuple[PromptData, PromptData | None]:
     """The training data (``dataset``, else ``data.prompts``) and the held-out data
-    (``eval.prompts``, or None), checked before any model is built."""
+    (``eval.prompts``, or None), checked before any model is built: chat prompts against the
+    collector's chat template, the columns each reward's contract reads."""
     d, e = cfg.data, cfg.eval
     if dataset is None and d.prompts is None:
         raise UserError("data.prompts: required (a file, a folder or a Hub dataset name), or "
@@ -276,8 +283,10 @@ def load_run_data(cfg, dataset=None) -> tuple[PromptData, PromptData | None]:
     data = load_prompt_data(source, d.split, d.prompt_key, key)
     held_out = None if e.prompts is None else load_prompt_data(e.prompts, e.split, e.prompt_key,
                                                                 "eval.prompts")
+    readers = {stage.name: contract for stage, contract in zip(plan.rewards, plan.reward_contracts)}
     for found in filter(None, (data, held_out)):
-        if found.chat and collector_contract(cfg).chat_template:
+        check_reward_columns(readers, found, found.source)
+        if found.chat and plan.sampling.chat_template:
             raise UserError(f"collector.chat_template: the prompts of {found.source} are chat "
                             f"messages, which rlpipe already applies through the chat template; "
                             f"set collector.chat_template: false")
@@ -303,10 +312,12 @@ class Run:
     eval_data: PromptData | None
 
 
-def build_run(cfg: Config, overwrite: bool = False, resume: bool = False, dataset=None) -> Run:
-    """Everything a run of ``cfg`` starts from, in order: its data (checked first), seeds,
-    processes, the run directory, models (sharded under FSDP2), plugins."""
-    data, eval_data = load_run_data(cfg, dataset)  # bad data fails before models
+def build_run(cfg: Config, plan: RunPlan, overwrite: bool = False, resume: bool = False,
+              dataset=None) -> Run:
+    """Everything a run of ``cfg`` (planned as ``plan``, `plan_run`) starts from, in order: its
+    data (checked first), seeds, processes, the run directory, models (sharded under FSDP2),
+    plugins, the data's prompts through the actor's tokenizer."""
+    data, eval_data = load_run_data(cfg, plan, dataset)  # bad data fails before models
     seed_everything(cfg.run.seed)
     dist, device_name = distributed.init(cfg.run.device, cfg.distributed.timeout_s)
     device = resolve_device(device_name)
@@ -316,9 +327,15 @@ def build_run(cfg: Config, overwrite: bool = False, resume: bool = False, datase
     dist.barrier()  # the run directory exists for every rank from here on
     status = Status(dist.is_main)
     with status.phase(f"loading models from {cfg.models.actor.path} on {device}") as took:
-        models = build_models(cfg, device, needs_critic(cfg))
+        models = build_models(cfg, device, plan.advantage_contract.needs_critic)
     for line in describe_models(models, took()):
         status.say(line)
+    if models.autocast is not None:
+        slow = device.type == "cpu" and not cpu_has_bf16()
+        status.say("autocast: actor, critic and reference compute in bfloat16 (weights, "
+                   "gradients and optimizer state stay float32; models.autocast)" +
+                   ("; this CPU has no bf16 instructions (AVX512-BF16, AMX): torch emulates "
+                    "them, far slower than float32" if slow else ""))
     if dist.enabled:
         if cfg.data.batch_size < dist.world:
             raise UserError(f"data.batch_size={cfg.data.batch_size} gives some of the "
@@ -326,10 +343,14 @@ def build_run(cfg: Config, overwrite: bool = False, resume: bool = False, datase
         shard_models(models, cfg)
         seed_everything(cfg.run.seed + dist.rank)  # a sampling stream per rank
     ctx = RunContext(tokenizer=models.tokenizer, actor=models.actor, device=device,
-                     seed=cfg.run.seed, run_dir=run_dir, shared_prefix=models.shared_prefix)
-    names = ", ".join([cfg.collector.name, *(r.key for r in cfg.rewards), cfg.advantage.name,
-                       cfg.loss.name])
+                     max_new_tokens=plan.budgets.new_tokens, seed=cfg.run.seed, run_dir=run_dir,
+                     shared_prefix=models.shared_prefix)
+    names = ", ".join(s.name for s in (plan.collector, *plan.rewards, plan.advantage, plan.loss))
     with status.phase(f"building plugins ({names})") as took:
-        plugins = build_plugins(cfg, ctx)
+        plugins = build_plugins(cfg, ctx, plan)
     status.say(f"plugins ready in {took():.1f} s")
+    for found in filter(None, (data, eval_data)):
+        found.use_tokenizer(models.tokenizer)  # chat prompts through the template, every row
+    origin = cfg.data.prompts if dataset is None else "the dataset= object"
+    status.say(f"data: {len(data)} prompts from {origin}, {cfg.data.batch_size} per step")
     return Run(dist, device, run_dir, lock, status, models, ctx, plugins, data, eval_data)

@@ -38,6 +38,7 @@ MANIFEST = "manifest.json"
 STEP = re.compile(r"step-(\d{6,7})")
 LEFTOVER = re.compile(r"\.(tmp|trash)-step-\d{6,7}")
 SHARDS = "dcp"                 # a distributed checkpoint's torch.distributed.checkpoint folder
+POLICY = "policy"               # a one-process checkpoint's policy as a save_pretrained folder
 
 
 def trainable_state(module: torch.nn.Module, full: dict[str, torch.Tensor],
@@ -48,6 +49,19 @@ def trainable_state(module: torch.nn.Module, full: dict[str, torch.Tensor],
     names = {n for n, p in module.named_parameters() if p.requires_grad}
     keep = {k: v for k, v in full.items() if k in names} if names else full
     return {k: v.detach().to("cpu").contiguous() for k, v in keep.items()} if to_cpu else keep
+
+
+def save_policy(actor, tokenizer, folder: Path, base_path) -> None:
+    """``actor`` (or its LoRA adapter alone) and ``tokenizer`` as a ``save_pretrained`` folder that
+    loads without rlpipe; an adapter's ``adapter_config.json`` names ``base_path`` as its base."""
+    folder = Path(folder)
+    actor.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    adapter = folder / "adapter_config.json"
+    if adapter.is_file():
+        config = json.loads(adapter.read_text())
+        config["base_model_name_or_path"] = str(base_path)
+        adapter.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def _digest(path: Path) -> dict:
@@ -65,7 +79,7 @@ def _write(tmp: Path, step: int, weights: dict, state: dict, extra=None) -> None
     for name, tensors in weights.items():
         save_file(tensors, str(tmp / f"{name}.safetensors"))
     torch.save(state, tmp / "state.pt")
-    if extra is not None:  # e.g. the policy as a save_pretrained folder (rlpipe.core.run.export)
+    if extra is not None:  # e.g. the policy as a save_pretrained folder (`save_policy`)
         extra(tmp)
     _seal(tmp, step)
 

@@ -13,7 +13,7 @@ One PPO step of the tiny example (a few seconds on CPU):
 >>> out = Path(tempfile.mkdtemp()) / "tiny"
 >>> run_dir = train(load_config(tiny, ["run.steps=1", f"run.output_dir={out}"]), progress=False)
 >>> run_dir == out, sorted(p.name for p in out.iterdir())
-(True, ['.rlpipe-run', 'config.yaml', 'final', 'metrics.jsonl', 'samples'])
+(True, ['.rlpipe-run', 'config.yaml', 'final', 'metrics.jsonl', 'plan.json', 'samples'])
 >>> shutil.rmtree(out.parent)
 """
 
@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import yaml
 from tensordict import TensorDict
 
 from rlpipe.core.run import build, checkpoint, oom, preflight
@@ -39,25 +40,20 @@ from rlpipe.core.step import critic_pretrain, kl
 from rlpipe.core.base import schema
 from rlpipe.core.step import rollout_correction as correction
 from rlpipe.core.config.settings import Config, load_config
-from rlpipe.core.config.checks import collector_contract
-from rlpipe.core.config.kl_placement import check_placement
-from rlpipe.core.contracts.collector import close_collector, request_actor_log_prob, request_hidden
+from rlpipe.core.config.plan import INPUTS, RunPlan, Scoring, plan_run, record, settle
+from rlpipe.core.contracts.collector import close_collector
 from rlpipe.core.models.critic_start import CriticWarmup
 from rlpipe.core.data.streams import PromptStream
 from rlpipe.core.step.evaluation import Evaluator, eval_collector
-from rlpipe.core.base.errors import UserError, option
+from rlpipe.core.base.errors import option, writing
 from rlpipe.core.observe.metrics import to_float
-from rlpipe.core.models.lm import (cpu_has_bf16, logprobs_and_values, response_logprobs,
-                                   response_values)
-from rlpipe.core.config.checks import check_advantage
+from rlpipe.core.models.lm import logprobs_and_values, response_logprobs, response_values
 from rlpipe.core.base.ops import masked_mean
-from rlpipe.core.data.prompts import check_reward_columns
 from rlpipe.core.run.run_state import RunState
 from rlpipe.core.step.update import Updater
 from rlpipe.core.step.dynamic_sampling import GroupFilter
 
 S = schema
-_INPUTS = (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)
 
 
 class Pipeline(RunState):
@@ -74,55 +70,22 @@ class Pipeline(RunState):
                  resume: bool = False, *, dataset=None, collector=None, rewards=None,
                  advantage=None, loss=None):
         cfg = cfg if isinstance(cfg, Config) else load_config(cfg)  # a dict or a YAML path
-        cfg = compose.apply(cfg, collector=collector, rewards=rewards, advantage=advantage, loss=loss)
-        check_advantage(cfg)  # groups and KL placement for the advantage that runs
-        self.cfg, self.progress = cfg, progress and cfg.log.progress
+        self.cfg = cfg = compose.apply(cfg, collector=collector, rewards=rewards,
+                                       advantage=advantage, loss=loss)
+        self.progress = progress and cfg.log.progress
         self.resume = resume or cfg.run.resume == "auto"
-        run = build.build_run(cfg, overwrite, self.resume, dataset)
-        self.dist, self.device, self.run_dir, self.status = run.dist, run.device, run.run_dir, run.status
-        self.models, self.ctx, self.plugins = run.models, run.ctx, run.plugins
-        self.data, self.eval_data, self.lock = run.data, run.eval_data, run.lock
-        check_placement(cfg.kl.in_, cfg.kl.coef, self.plugins.advantage,
-                        registry.label_of(self.plugins.advantage))
-        self.sampling = collector_contract(cfg)  # how the collector samples, as it declares
-        self.temperature, self.truncation = self.sampling.temperature, self.sampling.truncation
-        self.old_from_sampling = self._old_log_prob_from_sampling()
-        self.collected_keys = (*_INPUTS, S.GROUP_ID, S.FINISHED, S.ENGINE_LOG_PROB,
-                               *([S.ACTOR_LOG_PROB] if self.old_from_sampling else []))
-        if self.old_from_sampling:
-            self.status.say("old log-probs: from the sampling pass (no actor forward in scoring; "
-                            "rollout_correction.old_log_prob)")
-        if self.models.autocast is not None:
-            slow = self.device.type == "cpu" and not cpu_has_bf16()
-            self.status.say("autocast: actor, critic and reference compute in bfloat16 (weights, "
-                            "gradients and optimizer state stay float32; models.autocast)" +
-                            ("; this CPU has no bf16 instructions (AVX512-BF16, AMX): torch "
-                             "emulates them, far slower than float32" if slow else ""))
-        # no actor forward in scoring + a critic on the actor's backbone: rollout values from the
-        # sampling pass's own hidden states (no backbone forward at all), where offered
-        critic = self.models.critic
-        self.values_from_rollout = ((cfg.rollout_correction.mode == "bypass" or self.old_from_sampling)
-                                    and critic is not None and critic.shared and not self.dist.enabled
-                                    and not cfg.rollout.staleness   # hidden states a step behind
-                                    and request_hidden(self.plugins.collector))
-        self.data.use_tokenizer(self.models.tokenizer)
-        check_reward_columns(self.plugins.rewards, self.data, "data.prompts")
+        plan = plan_run(cfg)  # every fact derived from cfg, once (rlpipe.core.config.plan)
+        self.built = build.build_run(cfg, plan, overwrite, self.resume, dataset)
+        self.plan = self._settle(plan)
         self.prompts = PromptStream(list(range(len(self.data))), cfg.data.batch_size,
                                     cfg.data.shuffle, cfg.run.seed)
-        origin = cfg.data.prompts if dataset is None else "the dataset= object"
-        self.status.say(f"data: {len(self.prompts.prompts)} prompts from {origin}, "
-                        f"{cfg.data.batch_size} per step")
-        self.evaluator = None
-        if self.eval_data is not None:
-            self.eval_data.use_tokenizer(self.models.tokenizer)
-            check_reward_columns(self.plugins.rewards, self.eval_data, "eval.prompts")
-            sampler, own_engine = eval_collector(cfg, self.ctx, self.plugins.collector)
-            self.evaluator = Evaluator(cfg, self.eval_data, sampler, self.plugins.rewards,
-                                       self.dist, self.device, self.run_dir, self.models.compute,
-                                       own_engine)
-        self.kl = kl.KLPenalty(cfg.kl)  # estimator, clamp, placement, coefficient
-        self.updater = Updater(cfg, self.models, self.plugins.loss, self.temperature, self.device,
-                               self.dist, self.truncation, kl_penalty=self.kl)
+        self.evaluator = self._evaluator()
+        self.kl = kl.KLPenalty(self.plan.kl)  # estimator, clamp, placement, coefficient
+        self.updater = Updater(cfg.train, self.models, self.plugins.loss, self.kl,
+                               steps=cfg.run.steps, seed=cfg.run.seed, ptx=cfg.ptx,
+                               rollout_mode=cfg.rollout_correction.mode,
+                               temperature=self.temperature, device=self.device, dist=self.dist,
+                               truncation=self.truncation)
         self.critic_warmup = CriticWarmup(cfg.train, self.models.critic is not None)
         # rollout.staleness: 1: the next batch is sampled while a step updates (a thread where
         # the collector's engine computes apart); its one weight sync is at the step's start
@@ -131,24 +94,42 @@ class Pipeline(RunState):
         self.step_count = 0
         self.stopped_by: str | None = None  # the health rule (health.stop_on) that stopped train()
 
-    def _old_log_prob_from_sampling(self) -> bool:
-        """``rollout_correction.old_log_prob``: True when old_log_prob is the collector's
-        ``actor_log_prob`` (the sampling pass's own logits) instead of a no-grad actor forward."""
-        section = self.cfg.rollout_correction
-        dtype = next(self.models.actor.parameters()).dtype   # also for a model object handed in
-        exact = (dtype == torch.float32 and not self.cfg.distributed.bf16   # float32 round-off
-                 and self.models.autocast is None)
-        if section.mode != "none" or section.old_log_prob == "recompute" or (
-                section.old_log_prob == "auto" and not exact) or self.cfg.rollout.staleness:
-            return False
-        collector = self.plugins.collector
-        if request_actor_log_prob(collector, self.temperature, self.truncation):
-            return True
-        if section.old_log_prob == "sampling":
-            raise UserError(f"rollout_correction.old_log_prob: sampling needs a collector that "
-                            f"writes actor_log_prob, and {registry.label_of(collector)} declares "
-                            f"no record_actor_log_prob; use auto or recompute")
-        return False
+    # the built run's parts (`build.Run`) and the plan's sampling facts, read as attributes
+    dist = property(lambda self: self.built.dist)
+    device = property(lambda self: self.built.device)
+    run_dir = property(lambda self: self.built.run_dir)
+    lock = property(lambda self: self.built.lock)
+    status = property(lambda self: self.built.status)
+    models = property(lambda self: self.built.models)
+    ctx = property(lambda self: self.built.ctx)
+    plugins = property(lambda self: self.built.plugins)
+    data = property(lambda self: self.built.data)
+    sampling = property(lambda self: self.plan.sampling)  # the collector's contract
+    temperature = property(lambda self: self.plan.sampling.temperature)
+    truncation = property(lambda self: self.plan.sampling.truncation)
+    old_from_sampling = property(lambda self: self.plan.scoring is Scoring.SAMPLING)
+    values_from_rollout = property(lambda self: self.plan.values == "rollout")
+
+    def _settle(self, plan: RunPlan) -> RunPlan:
+        """The plan's second step (`settle`, once the models and plugins exist), said and
+        recorded in the run directory (``plan.json``)."""
+        plan = settle(plan, self.cfg, self.models, self.plugins, self.dist)
+        if plan.scoring is Scoring.SAMPLING:
+            self.status.say("old log-probs: from the sampling pass (no actor forward in scoring; "
+                            "rollout_correction.old_log_prob)")
+        if self.dist.is_main:
+            with writing(self.run_dir, "plan.json"):
+                record(plan, self.run_dir / "plan.json")
+        return plan
+
+    def _evaluator(self) -> Evaluator | None:
+        """Held-out evaluation of ``eval.prompts`` (None without), sampling through the run's
+        collector where it offers a view of its engine."""
+        if self.built.eval_data is None:
+            return None
+        sampler, own_engine = eval_collector(self.cfg, self.ctx, self.plugins.collector)
+        return Evaluator(self.cfg, self.built.eval_data, sampler, self.plugins.rewards, self.dist,
+                         self.device, self.run_dir, self.models.compute, own_engine)
 
     def _check(self, td: TensorDict, keys, where: str) -> None:
         if self.cfg.run.debug:
@@ -156,18 +137,22 @@ class Pipeline(RunState):
 
     @torch.no_grad()
     def _score_tokens(self, td: TensorDict) -> None:
-        """old_log_prob, ref_log_prob and value for every response token, in micro-batches.
-        With ``rollout_correction.mode: bypass`` old_log_prob is the engine's, and where
-        ``old_from_sampling`` the collector's ``actor_log_prob``: no actor forward (and with a
-        shared-backbone critic, the values come from the rollout's hidden states)."""
-        m = self.models
-        chunks = [[c[k] for k in _INPUTS] for c in td.split(self.cfg.train.forward_batch_size)]
-        bypass = self.cfg.rollout_correction.mode == "bypass"
-        if bypass or self.old_from_sampling:
-            logp = td[S.ENGINE_LOG_PROB] if bypass else td.pop(S.ACTOR_LOG_PROB)
+        """old_log_prob, ref_log_prob and value for every response token, in micro-batches, by
+        the plan's `Scoring` path and value source (``plan.values``)."""
+        m, path = self.models, self.plan.scoring
+        chunks = [[c[k] for k in INPUTS] for c in td.split(self.cfg.train.forward_batch_size)]
+        if path is Scoring.FORWARD:  # one no-grad forward of the actor (and the critic)
+            outs = [logprobs_and_values(m.actor, m.critic, c, self.temperature,
+                                        truncation=self.truncation, shared_prefix=m.shared_prefix,
+                                        packed=m.packed, compiled=m.compile_logprobs)
+                    for c in chunks]
+            td[S.OLD_LOG_PROB] = torch.cat([logp for logp, _, _ in outs])
+            values = [v for _, _, v in outs] if m.critic is not None else []
+        else:  # no actor forward: the engine's log-probs (bypass) or the sampling pass's
+            logp = td[S.ENGINE_LOG_PROB] if path is Scoring.ENGINE else td.pop(S.ACTOR_LOG_PROB)
             td[S.OLD_LOG_PROB] = logp.float() * td[S.RESPONSE_MASK]
             values = []
-            if self.values_from_rollout and S.ENGINE_HIDDEN in td.keys():
+            if self.plan.values == "rollout" and S.ENGINE_HIDDEN in td.keys():
                 # V(s_t) = head(the hidden state the rollout drew token t from)
                 hidden = td.pop(S.ENGINE_HIDDEN).to(m.critic.head.weight.dtype)
                 values = [m.critic.values(hidden) * td[S.RESPONSE_MASK]]
@@ -175,13 +160,6 @@ class Pipeline(RunState):
                 values = [response_values(m.critic, *c, shared_prefix=m.shared_prefix,
                                           packed=m.packed)
                           for c in chunks]
-        else:
-            outs = [logprobs_and_values(m.actor, m.critic, c, self.temperature,
-                                        truncation=self.truncation, shared_prefix=m.shared_prefix,
-                                        packed=m.packed, compiled=m.compile_logprobs)
-                    for c in chunks]
-            td[S.OLD_LOG_PROB] = torch.cat([logp for logp, _, _ in outs])
-            values = [v for _, _, v in outs] if m.critic is not None else []
         td[S.VALUE] = torch.cat(values) if values else torch.zeros_like(td[S.OLD_LOG_PROB])
         with m.reference() as reference:  # one visit of an offloaded reference per step
             td[S.REF_LOG_PROB] = torch.cat([
@@ -192,7 +170,7 @@ class Pipeline(RunState):
     def _engine_gap(self, batch: TensorDict) -> dict:
         """Mean |engine log-prob - trainer log-prob| over response tokens (not with bypass: no
         trainer log-probs): the canary for stale or wrongly synced weights."""
-        if self.cfg.rollout_correction.mode == "bypass":
+        if self.plan.scoring is Scoring.ENGINE:
             return {}
         gap = (batch[S.ENGINE_LOG_PROB] - batch[S.OLD_LOG_PROB]).abs()
         return {"collector/logprob_gap": to_float(masked_mean(gap, batch[S.RESPONSE_MASK]))}
@@ -215,7 +193,7 @@ class Pipeline(RunState):
         collector = self.plugins.collector  # plugin calls: an error names the plugin
         with self.models.compute():  # models.autocast (the HF collector runs the actor)
             return guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
-                                       collector, required=self.collected_keys)
+                                       collector, required=self.plan.collected)
 
     def _sync_engine(self) -> None:
         """Stage 8: push the actor's weights to the generation engine."""
@@ -235,7 +213,7 @@ class Pipeline(RunState):
             batch, rows, seconds = collected
         batch = batch.to(self.device)
         self.data.attach(batch, rows)  # ("data", COLUMN) of each sample's prompt row
-        self._check(batch, self.collected_keys, "collector")
+        self._check(batch, self.plan.collected, "collector")
         correction.check_engine_log_prob(batch, self.cfg.rollout_correction.mode,
                                          self.plugins.collector)
         t1 = time.perf_counter()
@@ -319,7 +297,8 @@ class Pipeline(RunState):
             "kl/ref": seq_kl, "kl/coef": coef, **engine_gap, **rollout_metrics, **update_metrics,
             **sampling_metrics,
             "train/critic_only": int(warmup),
-            **samples.step_stats(batch, kl_tok, self.ctx.max_new_tokens, self.models.critic is not None),
+            **samples.step_stats(batch, kl_tok, self.plan.budgets.new_tokens,
+                                 self.models.critic is not None),
             "response/length": to_float(mask.sum(-1).float()),
             "response/finished_frac": to_float(batch[S.FINISHED].float()),
             "perf/tokens_per_s": float(mask.sum()) / elapsed,
@@ -392,6 +371,8 @@ def check_config(cfg, echo=print) -> preflight.Mismatch:
     cfg = replace(cfg, run=replace(cfg.run, output_dir=str(folder / "run"), resume="never"))
     try:
         pipe = Pipeline(cfg, progress=False)
+        echo("plan (derived from the config; the run directory records it as plan.json):\n"
+             + yaml.safe_dump(pipe.plan.to_dict(), sort_keys=False).rstrip())
         try:
             with oom.explained(cfg):   # running out of memory is one line, as in `rlpipe run`
                 return preflight.check(pipe, echo)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from rlpipe.core.run import build, checkpoint, export, rundir
+from rlpipe.core.run import build, checkpoint, rundir
 from rlpipe.core.models import distributed
 from rlpipe.core.contracts import registry
 from rlpipe.core.config.compose import save_config
@@ -135,8 +135,8 @@ class RunState:
                    for name, module in self._modules().items()}
         state = self.state_dict()
         if self.dist.is_main:
-            policy = lambda folder: export.save_policy(  # noqa: E731 - loads without rlpipe
-                self.models.actor, self.models.tokenizer, folder / export.POLICY,
+            policy = lambda folder: checkpoint.save_policy(  # noqa: E731 - loads without rlpipe
+                self.models.actor, self.models.tokenizer, folder / checkpoint.POLICY,
                 self.cfg.models.actor.path)
             checkpoint.save(self.run_dir, self.step_count, weights, state, self.cfg.checkpoint.keep,
                             policy)

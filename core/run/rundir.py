@@ -63,11 +63,12 @@ HF_FOLDER = ("config.json", "generation_config.json", "model*.safetensors",
              "chat_template.*", "adapter_*", "README.md", SAFETENSORS_TMP)
 RUN_LAYOUT = Layout(
     "run", "run directory",
-    (MARKER, LOCK, "config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "final",
-     ".tmp-final", ".trash-final", "report", "tensorboard", "wandb", "samples"),
+    (MARKER, LOCK, "config.yaml", "plan.json", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints",
+     "final", ".tmp-final", ".trash-final", "report", "tensorboard", "wandb", "samples"),
     ("checkpoints", "final", ".tmp-final", ".trash-final", "report", "tensorboard", "wandb",
      "samples"),
-    (MARKER, LOCK, "config.yaml", "metrics.jsonl", "tensorboard", "wandb", "samples"),
+    (MARKER, LOCK, "config.yaml", "plan.json", "metrics.jsonl", "tensorboard", "wandb",
+     "samples"),
     # tensorboard/ and wandb/ are those libraries' own, .tmp-final/ a cut `publish`: not looked
     # into
     (("final", HF_FOLDER),

@@ -12,7 +12,7 @@ quickstart the critic reached +0.16 held-out (``examples/quickstart/critic_probe
 prefix``). Unlike ``models.critic.from_reward_model``, any reward model serves, whatever its
 architecture and tokenizer: the text is scored again, no weights are shared.
 
-A reward declares ``scores_prefixes = True`` when its score of a partial response estimates its
+A reward declares ``RewardContract(scores_prefixes=True)`` when its score of a partial response estimates its
 score of the finished one (the reward model does; a length penalty does not). The target leaves
 out the other rewards and the KL penalty, which the critic learns from the run's returns.
 
@@ -22,8 +22,11 @@ out the other rewards and the KL penalty, which the critic learns from the run's
 >>> class Chars:  # one character per token id
 ...     def batch_decode(self, rows, skip_special_tokens):
 ...         return ["".join(map(chr, row)) for row in rows]
+>>> from rlpipe.core.contracts.kinds import RewardContract
 >>> class Length(torch.nn.Module):  # scores a text by its length
-...     scores_prefixes = True
+...     @staticmethod
+...     def contract():
+...         return RewardContract(scores_prefixes=True)
 ...     def forward(self, td):
 ...         return torch.tensor([float(len(t)) for t in td["response_text"]])
 >>> batch = TensorDict({"response_ids": torch.tensor([[104, 105, 0], [111, 107, 33]]),
@@ -43,7 +46,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlpipe.core.base import schema as S
 from rlpipe.core.base.errors import UserError
-from rlpipe.core.contracts import registry
+from rlpipe.core.contracts.kinds import reward_contract
 from rlpipe.core.contracts.reward_fn import batch_texts
 from rlpipe.core.models.lm import response_values
 from rlpipe.core.step.dynamic_sampling import concat_rounds
@@ -58,7 +61,7 @@ def prefix_scorer(rewards: RewardComposer) -> RewardComposer:
     """The components of ``rewards`` that declare ``scores_prefixes``, with their weights."""
     parts = [(label, weight, module) for label, weight, module
              in zip(rewards.labels, rewards.weights, rewards.parts)
-             if registry.declared("rewards", module, "scores_prefixes")]
+             if reward_contract(module, label=f"reward {label!r}").scores_prefixes]
     return RewardComposer(parts, clip=rewards.clip)
 
 

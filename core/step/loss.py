@@ -28,9 +28,7 @@ True
 
 from __future__ import annotations
 
-import types
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tensordict import NestedKey, TensorDictBase
@@ -38,75 +36,12 @@ from torchrl.objectives import LossModule
 
 from rlpipe.core.step import kl
 from rlpipe.core.contracts import registry
+from rlpipe.core.contracts.kinds import EXPLAINED_VAR, TOKEN, LossContract  # re-exported
 from rlpipe.core.base import schema
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.observe.metrics import to_float
 
-TOKEN, SEQ, EXPLAINED_VAR = "token", "seq", "explained_var"
-REDUCTIONS = (TOKEN, SEQ, EXPLAINED_VAR)
-ENTROPY_MODES = ("grad", "detached", "none")
 SUMS = "_sums"  # suffix of the entry that holds an "explained_var" metric's sums
-
-
-@dataclass(frozen=True)
-class LossContract:
-    """What a loss declares to the trainer; each field's default is what an undeclared loss gets.
-
-    - ``entropy``: what the trainer writes under ``entropy`` in each micro-batch: ``"grad"``
-      (differentiable, the default), ``"detached"`` (a metric only: no graph, less memory) or
-      ``"none"`` (not computed).
-    - ``values``: the loss trains the critic from ``value_pred`` (the current critic's values,
-      differentiable), which the trainer writes whenever the run has a critic (default True).
-      False with a critic is an error: nothing would train it.
-    - ``kl_term``: with ``kl.in: loss`` the loss adds ``loss_kl`` itself
-      (`PipelineLoss.kl_penalty`); the trainer first hands it the run's penalty with
-      ``set_kl(penalty)`` (a `rlpipe.core.step.kl.KLPenalty`: estimator, clamp, placement and
-      this step's coefficient). Default False: the trainer adds the same term itself.
-    - ``approx_kl_metric``: the metric (``"group/name"``) that ``train.target_kl`` compares with;
-      default None, and ``train.target_kl`` is then an error.
-    - ``metrics``: metric name -> reduction (module docstring); undeclared metrics are "token".
-    - ``rollout_weights``: the loss multiplies each token's policy-gradient term by
-      ``rollout_is_weight`` when the micro-batch carries it (``rollout_correction.mode`` tis or
-      mis, `rlpipe.core.step.rollout_correction`). Default False: those modes are then an error.
-    - ``critic_terms``: the ``loss_*`` entries that depend on ``value_pred`` and on no actor
-      output (``log_prob``, ``entropy``), where no other entry depends on ``value_pred``. With a
-      critic of its own (not a shared backbone) the trainer then runs the actor's forward and
-      backward first (the rollout's ``value``, detached, standing in for ``value_pred``), and the
-      critic's after it (``log_prob`` and ``entropy`` detached): the two models' activations
-      are never held at once, and each gets the gradient of the joint backward. Default ():
-      one forward of both, one backward.
-
-    >>> LossContract(entropy="maybe")
-    Traceback (most recent call last):
-    ...
-    ValueError: LossContract.entropy must be one of ('grad', 'detached', 'none'), got 'maybe'
-    """
-
-    entropy: str = "grad"
-    values: bool = True
-    kl_term: bool = False
-    approx_kl_metric: str | None = None
-    metrics: Mapping[str, str] = field(default_factory=dict)
-    rollout_weights: bool = False
-    critic_terms: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        if isinstance(self.critic_terms, str) or not all(
-                isinstance(k, str) and k.startswith("loss_") for k in self.critic_terms):
-            raise ValueError(f"LossContract.critic_terms must be a tuple of loss_* names, "
-                             f"got {self.critic_terms!r}")
-        if self.entropy not in ENTROPY_MODES:
-            raise ValueError(f"LossContract.entropy must be one of {ENTROPY_MODES}, "
-                             f"got {self.entropy!r}")
-        bad = {k: v for k, v in self.metrics.items() if v not in REDUCTIONS}
-        if bad:
-            raise ValueError(f"LossContract.metrics: unknown reduction(s) {bad}; "
-                             f"choose from {REDUCTIONS}")
-        object.__setattr__(self, "metrics", types.MappingProxyType(dict(self.metrics)))
-
-    def reduction(self, name: str) -> str:
-        """How metric ``name`` reduces ("token" unless declared)."""
-        return self.metrics.get(name, TOKEN)
 
 
 def contract_of(loss) -> LossContract:

@@ -27,11 +27,11 @@ def make_optimizer(params: list, lr: float, weight_decay: float):
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
-def make_scheduler(optimizer, cfg):
+def make_scheduler(optimizer, train, steps: int):
     """Linear warmup over ``train.warmup_steps`` optimizer steps, then constant or cosine down to
-    ``train.min_lr_ratio`` of the rate at the last optimizer step of ``run.steps``."""
-    t = cfg.train
-    total = max(1, cfg.run.steps * t.epochs * t.minibatches)
+    ``train.min_lr_ratio`` of the rate at the last optimizer step of ``steps`` (``run.steps``)."""
+    t = train
+    total = max(1, steps * t.epochs * t.minibatches)
 
     def factor(it: int) -> float:
         if it < t.warmup_steps:

@@ -92,28 +92,49 @@ class RewardComposer(nn.Module):
         for name in ("score_count", "score_mean", "score_m2"):
             self.register_buffer(name, torch.zeros((), dtype=torch.float64))
 
-    def _part(self, label: str, module: nn.Module, td, device) -> torch.Tensor:
-        """One component's [B] float32 output on ``device``, checked for shape and finiteness.
-        Whatever the plugin raises becomes one `PluginError` line naming it (`registry.call`)."""
-        batch = td.batch_size[0]
+    def _part(self, label: str, module: nn.Module, td, device) -> dict[str, torch.Tensor]:
+        """One component's output as ``{"score": [B], "applies": [B] bool, KEY: [B]}`` float32 on
+        ``device``, each checked for shape and finiteness (where it applies). A module returns a
+        [B] tensor, or such a dict: ``applies`` False is "not applicable" (TRL's ``None``: the
+        sample's score leaves it out, its part is 0), other keys are logged. Whatever the plugin
+        raises becomes one `PluginError` line naming it (`registry.call`)."""
         before = _entries(td)
-        part = registry.call(module, td)
+        out = registry.call(module, td)
         origin = getattr(module, registry.LABEL_ATTR, None)
         origin = f" (plugin {origin})" if isinstance(origin, str) else ""
         changed = _changed(before, _entries(td))
         if changed:
             raise UserError(f"reward {label!r} {changed} in the batch{origin}; a reward returns its "
                             f"[B] scores and writes nothing (the composer owns the batch)")
+        out = dict(out) if isinstance(out, dict) else {"score": out}
+        applies = out.pop("applies", None)
+        applies = (torch.ones(td.batch_size[0], dtype=torch.bool, device=device) if applies is None
+                   else self._checked(f"{label}/applies", applies, td, origin).to(device, torch.bool))
+        parts = {k: self._checked(label if k == "score" else f"{label}/{k}", v, td, origin,
+                                  applies).to(device, torch.float32) for k, v in out.items()}
+        if "score" not in parts:
+            raise UserError(f"reward {label!r} returned a dict without 'score'{origin}")
+        parts["score"] = parts["score"].where(applies, 0.0)
+        return {**parts, "applies": applies}
+
+    @staticmethod
+    def _checked(label: str, part, td, origin: str, applies=None) -> torch.Tensor:
+        """``part`` if it is a [B] tensor, finite in float32 where it ``applies``; else one line."""
+        batch = td.batch_size[0]
         if not isinstance(part, torch.Tensor) or part.shape != (batch,):
             shape = tuple(part.shape) if isinstance(part, torch.Tensor) else type(part).__name__
             raise UserError(f"reward {label!r} returned {shape}; expected a tensor of shape "
                             f"({batch},){origin}")
-        finite_before = bool(torch.isfinite(part).all())
-        part = part.to(device, torch.float32)
-        if not torch.isfinite(part).all():
-            what = "NaN or inf" if not finite_before else "values beyond float32's range (|x| > 3.4e38)"
+        if part.dtype is torch.bool:
+            return part
+        applies = torch.ones(batch, dtype=torch.bool) if applies is None else applies.cpu()
+        finite_before = torch.isfinite(part).cpu() | ~applies
+        bad = ~(torch.isfinite(part.to(torch.float32)).cpu() | ~applies)
+        if bad.any():
+            what = ("NaN or inf" if not finite_before.all()
+                    else "values beyond float32's range (|x| > 3.4e38)")
             raise UserError(f"reward {label!r} returned {what} for "
-                            f"{int((~torch.isfinite(part)).sum())} of {batch} samples{origin}")
+                            f"{int(bad.sum())} of {batch} samples{origin}")
         return part
 
     def update_stats(self, score: torch.Tensor) -> None:
@@ -134,12 +155,24 @@ class RewardComposer(nn.Module):
         return out.to(score.dtype)
 
     def weighted(self, td) -> torch.Tensor:
-        """Write each component to ``("score_parts", label)``; return ``sum(weight * part)``."""
+        """Write each component to ``("score_parts", label)`` (its other keys to ``label/KEY``);
+        return ``sum(weight * part)`` over the components that apply to each sample (TRL's
+        ``nansum``); a sample no component applies to is one line naming them."""
         score = torch.zeros(td.batch_size[0], device=td.device)
+        applies = torch.zeros(td.batch_size[0], dtype=torch.bool, device=score.device)
         for label, weight, module in zip(self.labels, self.weights, self.parts):
-            part = self._part(label, module, td, score.device)
-            td.set((schema.SCORE_PARTS, label), part)
-            score = score + weight * part
+            parts = self._part(label, module, td, score.device)
+            for key, part in parts.items():
+                if key == "applies" and part.all():
+                    continue
+                name = label if key == "score" else f"{label}/{key}"
+                td.set((schema.SCORE_PARTS, name), part.to(torch.float32))
+            score = score + weight * parts["score"]
+            applies |= parts["applies"]
+        if td.batch_size[0] and not applies.all():
+            i = int((~applies).nonzero()[0])
+            raise UserError(f"sample {i}: every reward returned None (not applicable) for it "
+                            f"({', '.join(self.labels)}); at least one must score each sample")
         return score
 
     @torch.no_grad()

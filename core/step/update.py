@@ -1,6 +1,7 @@
-"""Stage 7 of the loop: PPO epochs over a rollout batch.
+"""Stage 7 of the loop: PPO epochs over a rollout batch, in one block (`Updater.update`).
 
 K epochs x shuffled minibatches (one optimizer step each) x gradient-accumulation micro-batches.
+The forward's outputs go into a copy of each micro-batch: the caller's batch is never written.
 Losses are normalised by the token and sequence counts of the whole minibatch (``num_tokens``,
 ``num_seqs`` in every micro-batch), so the micro-batch split does not change the gradient. A
 minibatch whose loss or gradient is not finite is skipped; ``train.max_bad_steps`` in a row stop
@@ -23,7 +24,7 @@ from rlpipe.core.base import schema
 from rlpipe.core.data.streams import PtxStream
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.step.loss import (LossContract, add_parts, contract_of, exceeds, finish,
-                              micro_parts)
+                                  micro_parts)
 from rlpipe.core.models.lm import checkpointing, logprobs_and_values, response_values
 from rlpipe.core.models.distributed import Dist
 
@@ -35,57 +36,135 @@ class TrainingDiverged(UserError):
 
 
 class Updater:
-    """Owns the optimizers and schedulers of actor and critic and runs the PPO update."""
+    """Owns the optimizers and schedulers of actor and critic and runs the PPO update.
 
-    def __init__(self, cfg, models, loss, temperature: float, device: torch.device, dist=None,
-                 truncation=None, kl_penalty: kl.KLPenalty | None = None):
-        t = cfg.train
-        self.kl = kl_penalty or kl.KLPenalty(cfg.kl)  # the run's, shared with the loop
-        self.contract = _checked_contract(cfg, models, loss, self.kl)  # first: a mistake costs nothing
-        self.cfg, self.models, self.loss = cfg, models, loss
+    ``train``: the config's train section; ``kl_penalty``: the run's `KLPenalty` (shared with the
+    loop); ``steps``, ``seed``: ``run.steps`` (the schedule's length) and ``run.seed`` (the
+    minibatch shuffle); ``ptx``: the ptx section (read when its coef > 0); ``rollout_mode``:
+    ``rollout_correction.mode``; ``truncation``: the sampler's top-k/top-p (score_truncated)."""
+
+    def __init__(self, train, models, loss, kl_penalty: kl.KLPenalty, *, steps: int, seed: int,
+                 ptx=None, rollout_mode: str = "none", temperature: float = 1.0,
+                 device: torch.device = torch.device("cpu"), dist=None, truncation=None):
+        self.kl = kl_penalty
+        self.contract = _checked_contract(train, rollout_mode, models, loss, kl_penalty)  # first
+        self.train, self.models, self.loss = train, models, loss
         self.temperature, self.device, self.dist = temperature, device, dist or Dist()
-        self.truncation = truncation  # score under the sampler's top-k/top-p (score_truncated)
+        self.truncation = truncation
         self.params = {"actor": optim.trainable(models.actor)}
         if models.critic is not None:  # a shared backbone is stepped by the actor's optimizer
             self.params["critic"] = optim.trainable(models.critic, exclude=models.actor)
-        lrs = {"actor": t.lr, "critic": t.critic_lr}
-        self.opts = {k: optim.make_optimizer(p, lrs[k], t.weight_decay) for k, p in self.params.items()}
-        self.ptx = PtxStream(cfg.ptx, models.tokenizer, dist) if cfg.ptx.coef > 0 else None
-        self.scheds = {k: optim.make_scheduler(o, cfg) for k, o in self.opts.items()}
-        self.shuffle = torch.Generator().manual_seed(cfg.run.seed)
+        lrs = {"actor": train.lr, "critic": train.critic_lr}
+        self.opts = {k: optim.make_optimizer(p, lrs[k], train.weight_decay)
+                     for k, p in self.params.items()}
+        self.ptx_coef = ptx.coef if ptx is not None else 0.0
+        self.ptx = PtxStream(ptx, models.tokenizer, self.dist) if self.ptx_coef > 0 else None
+        self.scheds = {k: optim.make_scheduler(o, train, steps) for k, o in self.opts.items()}
+        self.shuffle = torch.Generator().manual_seed(seed)
         self.bad_in_a_row = 0
         self.bad_terms: list[str] = []  # non-finite loss_* entries of this minibatch
         self.grad_norms: dict[str, list[float]] = {}  # pre-clip norms of this step's optimizer steps
 
+    def update(self, batch: TensorDict, train_actor: bool = True) -> dict:
+        """Run the PPO epochs on ``batch`` (the global rollout; each rank trains on its slice of
+        every minibatch; ``batch`` itself is not written). Returns ``loss/*`` averaged over the
+        stepped minibatches and the loss's other metrics reduced as its contract declares
+        (token- or sequence-weighted over all micro-batches and ranks, or pooled), so that
+        neither depends on how the batch is split. Skipped (non-finite) minibatches are left out
+        of both, and of ``train/grad_norm`` and ``train/critic_grad_norm``: the mean pre-clip
+        gradient norms of the optimizer steps."""
+        t, need, who = self.train, self.contract, registry.label_of(self.loss)
+        total: dict[str, list[float]] = {}  # the one accumulator: parts of the stepped minibatches
+        done = skipped = stopped = 0
+        self.grad_norms = {}
+        with checkpointing(self.models.actor, self.models.critic):  # no-op unless enabled
+            for _ in range(t.epochs):
+                for idx in self._minibatches(batch.batch_size[0]):
+                    parts: dict[str, list[float]] = {}  # this minibatch's, over its micro-batches
+                    for micro in self._micro_batches(batch[idx.to(self.device)]):
+                        with self.models.compute():  # per micro-batch: its cast of the weights
+                            out = self._micro_step(micro)
+                        losses, metrics = micro_parts(out, need, float(micro[S.RESPONSE_MASK].sum()),
+                                                      float(len(micro)), who)
+                        add_parts(parts, {**{k: [v] for k, v in losses.items()}, **metrics})
+                    if self.ptx is not None and train_actor:
+                        add_parts(parts, self._ptx_parts())
+                    agreed = self._rank_mean({"loss": parts["loss_total"], **self._kl_parts(parts)})
+                    if self._optimizer_step(train_actor, agreed["loss"][0]):
+                        done += 1
+                        add_parts(total, parts)
+                    else:
+                        skipped += 1
+                    stopped = t.target_kl is not None and exceeds(
+                        agreed["kl"], need.reduction(need.approx_kl_metric), t.target_kl)
+                    if stopped:
+                        break
+                if stopped:
+                    break
+        total = self._rank_mean(total)
+        metrics = {f"loss/{k[5:]}": v[0] / max(done, 1) for k, v in total.items()
+                   if k.startswith("loss_")}
+        metrics.update(finish({k: v for k, v in total.items() if not k.startswith("loss_")}, need))
+        metrics.update({"train/skipped_minibatches": skipped, "train/early_stopped": int(stopped),
+                        "train/lr": self.scheds["actor"].get_last_lr()[0]})
+        names = {"actor": "train/grad_norm", "critic": "train/critic_grad_norm"}
+        metrics.update({names[k]: sum(v) / len(v) for k, v in self.grad_norms.items()})
+        return metrics
+
+    def _minibatches(self, size: int):
+        """Global minibatch indices (the same permutation on every rank)."""
+        t, world = self.train, self.dist.world
+        mb_size = math.ceil(size / t.minibatches)
+        if size % t.minibatches or mb_size < world * t.grad_accum:
+            raise UserError(f"train.minibatches={t.minibatches} must divide the {size} samples of a "
+                            f"step into minibatches of at least distributed.nproc x "
+                            f"train.grad_accum = {world * t.grad_accum} samples")
+        return torch.randperm(size, generator=self.shuffle).split(mb_size)
+
+    def _micro_batches(self, mb: TensorDict):
+        """This rank's rows of minibatch ``mb`` (a copy) in ``train.grad_accum`` micro-batches,
+        each carrying the minibatch-wide ``num_tokens`` and ``num_seqs`` / world (FSDP averages
+        the ranks' gradients, the losses want their sum)."""
+        d, n = self.dist, mb.batch_size[0]
+        mb[S.NUM_TOKENS] = (mb[S.RESPONSE_MASK].sum().float() / d.world).expand(n)
+        mb[S.NUM_SEQS] = (mb[S.RESPONSE_MASK].any(-1).sum().float() / d.world).expand(n)
+        local = mb[d.rank::d.world]
+        if self.train.grad_accum > 1 and S.GROUP_ID in local.keys():  # a prompt's samples in the
+            # same micro-batches share its tokens (core/models/prefix.py); the sum is the same
+            local = local[local[S.GROUP_ID].argsort(stable=True)]
+        for part in torch.arange(len(local)).tensor_split(self.train.grad_accum):
+            yield local[part.to(self.device)]
+
     def _micro_step(self, micro: TensorDict) -> TensorDict:
-        """Forward the current models on one micro-batch as the loss's contract asks, run the
-        loss, backward; return its output. With declared ``critic_terms`` and a critic of its
-        own: the actor's forward and backward, then the critic's (`LossContract.critic_terms`)."""
-        m, need = self.models, self.contract
-        inputs = [micro[k] for k in (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)]
+        """Forward the current models on one micro-batch as the loss's contract asks, into a copy
+        of it, run the loss, backward; return its output. With declared ``critic_terms`` and a
+        critic of its own: the actor's forward and backward, then the critic's
+        (`LossContract.critic_terms`)."""
+        m, need, td = self.models, self.contract, micro.copy()  # TorchRL's rule: never the caller's
+        inputs = [td[k] for k in (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)]
         split = bool(need.critic_terms) and m.critic is not None and not m.critic.shared
         logp, entropy, values = logprobs_and_values(
             m.actor, None if split else m.critic, inputs, self.temperature,
             with_entropy=need.entropy != "none", entropy_grad=need.entropy == "grad",
             truncation=self.truncation, shared_prefix=m.shared_prefix,
             packed=m.packed, compiled=m.compile_logprobs)
-        micro[S.LOG_PROB] = logp
+        td[S.LOG_PROB] = logp
         if entropy is not None:
-            micro[S.ENTROPY] = entropy
+            td[S.ENTROPY] = entropy
         if values is not None:
-            micro[S.VALUE_PRED] = values
+            td[S.VALUE_PRED] = values
         if split:  # the actor's terms now; value_pred stands in (its terms are dropped)
-            micro[S.VALUE_PRED] = micro[S.VALUE].detach()
-            actor_terms = [v for k, v in self._loss(micro).items()
+            td[S.VALUE_PRED] = td[S.VALUE].detach()
+            actor_terms = [v for k, v in self._loss(td).items()
                            if k.startswith("loss_") and k not in need.critic_terms]
             if actor_terms:
                 sum(actor_terms).backward()
-            micro[S.LOG_PROB] = logp.detach()   # same numbers: the metrics below are the joint's
+            td[S.LOG_PROB] = logp.detach()   # same numbers: the metrics below are the joint's
             if entropy is not None:
-                micro[S.ENTROPY] = entropy.detach()
-            micro[S.VALUE_PRED] = response_values(m.critic, *inputs, shared_prefix=m.shared_prefix,
-                                                  packed=m.packed)
-        out = self._loss(micro)
+                td[S.ENTROPY] = entropy.detach()
+            td[S.VALUE_PRED] = response_values(m.critic, *inputs, shared_prefix=m.shared_prefix,
+                                               packed=m.packed)
+        out = self._loss(td)
         losses = [v for k, v in out.items() if k.startswith("loss_")]
         self.bad_terms += [k for k, v in out.items() if k.startswith("loss_")
                            and k not in self.bad_terms and guards.nonfinite(v)]
@@ -94,23 +173,31 @@ class Updater:
         out["loss_total"] = total.detach()
         return out
 
-    def _loss(self, micro: TensorDict) -> TensorDict:
-        """The loss plugin's output on ``micro``, with the trainer's ``loss_kl`` where it adds it."""
-        need = self.contract
-        out = registry.call(self.loss, micro)  # an error in the plugin names it
+    def _loss(self, td: TensorDict) -> TensorDict:
+        """The loss plugin's output on ``td``, with the trainer's ``loss_kl`` where it adds it:
+        the one place the KL penalty enters the loss."""
+        out = registry.call(self.loss, td)  # an error in the plugin names it
         terms = guards.loss_terms(out, self.loss)
         if self.kl.loss_coef:  # kl.in: loss -- the KL penalty as a loss term
-            if not need.kl_term:  # the documented default: the trainer adds the shared term
-                out["loss_kl"] = self.kl.loss_term(micro[S.LOG_PROB], micro[S.REF_LOG_PROB],
-                                                   micro[S.RESPONSE_MASK], micro[S.NUM_TOKENS][0])
+            if not self.contract.kl_term:  # the documented default: the trainer adds the term
+                out["loss_kl"] = self.kl.loss_term(td[S.LOG_PROB], td[S.REF_LOG_PROB],
+                                                   td[S.RESPONSE_MASK], td[S.NUM_TOKENS][0])
             elif "loss_kl" not in terms:
                 raise UserError(f"{registry.label_of(self.loss)} declares kl_term but wrote no "
                                 f"loss_kl with kl.in: loss")
         return out
 
+    def _ptx_parts(self) -> dict[str, list[float]]:
+        """PPO-ptx: backward of the LM loss on pretraining text; its parts (`update`)."""
+        with self.models.compute():
+            lm = self.models.actor(**self.ptx.next_batch(self.device), use_cache=False).loss
+        (self.ptx_coef * lm).backward()
+        term = self.ptx_coef * float(lm)
+        return {"loss_ptx": [term], "loss_total": [term], "policy/ptx_loss": [float(lm), 1.0]}
+
     def _optimizer_step(self, train_actor: bool, loss_total: float) -> bool:
         """Clip, check for non-finite values, step. Returns False when the minibatch was skipped."""
-        max_norm = self.cfg.train.max_grad_norm
+        max_norm = self.train.max_grad_norm
         names = [n for n in self.opts if n != "actor" or train_actor]
         norms = [grad_norm(self.params[n], max_norm) for n in names]
         norms = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in norms]  # FSDP
@@ -126,7 +213,7 @@ class Updater:
             self.bad_in_a_row += 1
             warnings.warn(f"non-finite loss or gradient: minibatch skipped "
                           f"({self.bad_in_a_row} in a row)", RuntimeWarning, stacklevel=2)
-            if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
+            if self.bad_in_a_row >= self.train.max_bad_steps:
                 what = (f"non-finite {', '.join(self.bad_terms)}" if self.bad_terms else
                         "non-finite loss" if not math.isfinite(loss_total) else "non-finite gradient")
                 raise TrainingDiverged(
@@ -139,112 +226,20 @@ class Updater:
         self.bad_terms = []
         return finite
 
-    def _minibatches(self, size: int):
-        """Global minibatch indices (the same permutation on every rank)."""
-        t, world = self.cfg.train, self.dist.world
-        mb_size = math.ceil(size / t.minibatches)
-        if size % t.minibatches or mb_size < world * t.grad_accum:
-            raise UserError(f"train.minibatches={t.minibatches} must divide the {size} samples of a "
-                            f"step into minibatches of at least distributed.nproc x "
-                            f"train.grad_accum = {world * t.grad_accum} samples")
-        return torch.randperm(size, generator=self.shuffle).split(mb_size)
-
-    def _minibatch(self, mb: TensorDict, train_actor: bool) -> tuple[dict, dict]:
-        """Forward/backward this rank's slice of one minibatch in ``grad_accum`` micro-batches.
-        Returns the summed ``loss_*`` entries and the summed parts of the other metrics
-        (`rlpipe.core.step.loss.micro_parts`)."""
-        t, d = self.cfg.train, self.dist
-        n = mb.batch_size[0]
-        # global counts / world: FSDP averages the ranks' gradients, we want their sum
-        mb[S.NUM_TOKENS] = (mb[S.RESPONSE_MASK].sum().float() / d.world).expand(n)
-        mb[S.NUM_SEQS] = (mb[S.RESPONSE_MASK].any(-1).sum().float() / d.world).expand(n)
-        local = mb[d.rank::d.world]
-        if t.grad_accum > 1 and S.GROUP_ID in local.keys():  # a prompt's samples in the same
-            # micro-batches share its tokens (core/models/prefix.py); the minibatch's sum is the same
-            local = local[local[S.GROUP_ID].argsort(stable=True)]
-        losses: dict[str, float] = {}
-        parts: dict[str, list[float]] = {}
-        who = registry.label_of(self.loss)
-        for part in torch.arange(len(local)).tensor_split(t.grad_accum):
-            micro = local[part.to(self.device)]
-            with self.models.compute():  # per micro-batch: its cast of the weights is current
-                out = self._micro_step(micro)
-            tokens = float(micro[S.RESPONSE_MASK].sum())
-            micro_losses, micro_metrics = micro_parts(out, self.contract, tokens,
-                                                      float(len(micro)), who)
-            for k, v in micro_losses.items():
-                losses[k] = losses.get(k, 0.0) + v
-            add_parts(parts, micro_metrics)
-        if self.ptx is not None and train_actor:  # PPO-ptx: LM loss on pretraining text
-            with self.models.compute():
-                ptx_loss = self.models.actor(**self.ptx.next_batch(self.device), use_cache=False).loss
-            (self.cfg.ptx.coef * ptx_loss).backward()
-            losses["loss_ptx"] = self.cfg.ptx.coef * float(ptx_loss)
-            losses["loss_total"] += losses["loss_ptx"]
-            losses["policy/ptx_loss"] = float(ptx_loss)
-        return losses, parts
-
-    def _epochs(self, batch: TensorDict, train_actor: bool):
-        """The epoch x minibatch loop. Returns the stepped minibatches' summed ``loss_*`` outputs
-        and metric parts, the optimizer steps done, the minibatches skipped, and whether
-        ``target_kl`` stopped the loop (on the loss's declared approx-KL metric)."""
-        t = self.cfg.train
-        losses: dict[str, float] = {}
-        parts: dict[str, list[float]] = {}
-        done, skipped = 0, 0
-        for _ in range(t.epochs):
-            for idx in self._minibatches(batch.batch_size[0]):
-                mb_losses, mb_parts = self._minibatch(batch[idx.to(self.device)], train_actor)
-                agreed = self._rank_mean({"loss": [mb_losses["loss_total"]],
-                                          **self._kl_parts(mb_parts)})
-                if self._optimizer_step(train_actor, agreed["loss"][0]):
-                    done += 1
-                    for k, v in mb_losses.items():
-                        losses[k] = losses.get(k, 0.0) + v
-                    add_parts(parts, mb_parts)
-                else:
-                    skipped += 1
-                if t.target_kl is not None and exceeds(
-                        agreed["kl"], self.contract.reduction(self.contract.approx_kl_metric),
-                        t.target_kl):
-                    return losses, parts, done, skipped, True
-        return losses, parts, done, skipped, False
-
-    def _kl_parts(self, mb_parts: dict) -> dict:
+    def _kl_parts(self, parts: dict) -> dict:
         """``{"kl": parts}`` of the declared approx-KL metric when ``train.target_kl`` is set."""
-        if self.cfg.train.target_kl is None:
+        if self.train.target_kl is None:
             return {}
         name = self.contract.approx_kl_metric
-        if name not in mb_parts:
+        if name not in parts:
             raise UserError(f"train.target_kl: {registry.label_of(self.loss)} declares "
                             f"approx_kl_metric {name!r} but did not write it")
-        return {"kl": mb_parts[name]}
+        return {"kl": parts[name]}
 
     def _rank_mean(self, parts: dict[str, list[float]]) -> dict[str, list[float]]:
         """Every part averaged over ranks (the ratios `rlpipe.core.step.loss.finish` takes stay)."""
         flat = self.dist.mean({f"{k}[{i}]": x for k, v in parts.items() for i, x in enumerate(v)})
         return {k: [flat[f"{k}[{i}]"] for i in range(len(v))] for k, v in parts.items()}
-
-    def update(self, batch: TensorDict, train_actor: bool = True) -> dict:
-        """Run the PPO epochs on ``batch`` (the global rollout; each rank trains on its slice of
-        every minibatch). With ``kl.in: loss`` the run's `KLPenalty` adds its term to the loss. Returns
-        ``loss/*`` averaged over minibatches and the loss module's other metrics reduced as its
-        contract declares (token- or sequence-weighted over all micro-batches and ranks, or
-        pooled), so that neither depends on how the batch is split. Skipped (non-finite)
-        minibatches are left out of both, and of ``train/grad_norm`` and
-        ``train/critic_grad_norm``: the mean pre-clip gradient norms of the optimizer steps."""
-        self.grad_norms = {}
-        with checkpointing(self.models.actor, self.models.critic):  # no-op unless enabled
-            losses, parts, done, skipped, stopped = self._epochs(batch, train_actor)
-        losses, parts = self.dist.mean(losses), self._rank_mean(parts)
-        metrics = {(f"loss/{k[5:]}" if k.startswith("loss_") else k): v / max(done, 1)
-                   for k, v in losses.items()}
-        metrics.update(finish(parts, self.contract))
-        metrics.update({"train/skipped_minibatches": skipped, "train/early_stopped": int(stopped),
-                        "train/lr": self.scheds["actor"].get_last_lr()[0]})
-        names = {"actor": "train/grad_norm", "critic": "train/critic_grad_norm"}
-        metrics.update({names[k]: sum(v) / len(v) for k, v in self.grad_norms.items()})
-        return metrics
 
     def apply_learning_rates(self, train) -> None:
         """Set ``train.lr``, ``train.critic_lr`` and ``train.weight_decay`` on loaded optimizers:
@@ -333,23 +328,23 @@ def _float64_sum_of_squares(grads: list) -> torch.Tensor:
 NORM_CHUNK = 1 << 16
 
 
-def _checked_contract(cfg, models, loss, penalty: kl.KLPenalty) -> LossContract:
+def _checked_contract(train, rollout_mode: str, models, loss, penalty: kl.KLPenalty) -> LossContract:
     """The loss's contract, checked against the run before any step: ``train.target_kl`` needs
     a declared approx-KL metric, ``rollout_correction.mode`` tis/mis a loss that applies the
     weights, a critic a loss that trains it; a loss that adds the KL term itself is handed the
     run's `KLPenalty`."""
     declared = contract_of(loss)
     who = registry.label_of(loss)
-    if cfg.train.target_kl is not None and declared.approx_kl_metric is None:
+    if train.target_kl is not None and declared.approx_kl_metric is None:
         raise UserError(f"train.target_kl is set but {who} declares no approx-KL metric "
                         f"(LossContract.approx_kl_metric); unset train.target_kl")
-    mode = cfg.rollout_correction.mode
-    if mode in ("tis", "mis") and not declared.rollout_weights:
-        raise UserError(f"rollout_correction.mode: {mode} weights the policy gradient, but {who} "
-                        f"does not declare LossContract.rollout_weights; use mode none or bypass")
+    if rollout_mode in ("tis", "mis") and not declared.rollout_weights:
+        raise UserError(f"rollout_correction.mode: {rollout_mode} weights the policy gradient, but "
+                        f"{who} does not declare LossContract.rollout_weights; use mode none or "
+                        f"bypass")
     if models.critic is not None and not declared.values:
-        raise UserError(f"advantage {cfg.advantage.name!r} needs a critic, but {who} declares "
-                        f"values=False: nothing would train the critic")
+        raise UserError(f"the advantage needs a critic, but {who} declares values=False: nothing "
+                        f"would train the critic")
     if declared.kl_term:
         loss.set_kl(penalty)
     return declared

@@ -30,11 +30,11 @@ from rlpipe import load_config  # noqa: E402
 from rlpipe.core.base import schema  # noqa: E402
 from rlpipe.core.base.errors import UserError  # noqa: E402
 from rlpipe.core.run.pipeline import Pipeline  # noqa: E402
-from rlpipe.core.observe.report import write_report  # noqa: E402
+from rlpipe.tools.report import write_report  # noqa: E402
 from rlpipe.plugins.collectors.hf import HFCollector  # noqa: E402
 from rlpipe.plugins.rewards.reward_model import (  # noqa: E402
     load_classifier, load_rm_tokenizer, score_texts)
-from rlpipe.plugins.rewards.training import load_rm_config, train_reward_model  # noqa: E402
+from rlpipe.tools.train_rm import load_rm_config, train_reward_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SAMPLE_OPENINGS = ["I watched this film last night and", "The plot of this movie",

@@ -27,9 +27,8 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
-from rlpipe.core.base.errors import UserError
-from rlpipe.core.base.ops import masked_whiten
-from rlpipe.core.base.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE, VALUE_TARGET
+from rlpipe.plugin import (ADVANTAGE, RESPONSE_MASK, REWARD, VALUE, VALUE_TARGET,
+                           AdvantageContract, UserError, masked_whiten)
 
 
 def _row_discount_matrices(discount: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -169,11 +168,17 @@ class GAE(TensorDictModuleBase):
     ['advantage', 'value_target']
     >>> GAE(lmbda_critic=1.0, length_adaptive_alpha=0.05).lmbda_critic
     1.0
+    >>> GAE.contract(gamma=0.99)
+    AdvantageContract(needs_critic=True, needs_groups=False, kl_in='reward', group_normalised=False, declared=True)
     """
 
-    needs_critic = True
     in_keys = [REWARD, VALUE, RESPONSE_MASK]
     out_keys = [ADVANTAGE, VALUE_TARGET]
+
+    @classmethod
+    def contract(cls, **args) -> AdvantageContract:
+        """A critic's values, per-sample returns: the KL penalty fits in the reward."""
+        return AdvantageContract(needs_critic=True, kl_in="reward")
 
     def __init__(self, gamma: float = 1.0, lmbda: float = 0.95, whiten: bool = True,
                  lmbda_critic: float | None = None, length_adaptive_alpha: float | None = None):

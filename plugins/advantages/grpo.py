@@ -23,8 +23,8 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
-from rlpipe.core.base.errors import UserError
-from rlpipe.core.base.schema import ADVANTAGE, GROUP_ID, RESPONSE_MASK, REWARD, VALUE_TARGET
+from rlpipe.plugin import (ADVANTAGE, GROUP_ID, RESPONSE_MASK, REWARD, VALUE_TARGET,
+                           AdvantageContract, UserError)
 
 
 def grpo_advantage(reward: torch.Tensor, mask: torch.Tensor, group_id: torch.Tensor,
@@ -66,18 +66,22 @@ class GRPO(TensorDictModuleBase):
     says otherwise, and ``kl.in: reward`` is refused while it divides by the group std
     (``group_normalised``): the std scaling would turn the scores' KL noise into signal.
 
-    >>> GRPO().in_keys, GRPO.needs_critic, GRPO.needs_groups, GRPO.kl_in
+    >>> c = GRPO.contract()
+    >>> GRPO().in_keys, c.needs_critic, c.needs_groups, c.kl_in
     (['reward', 'response_mask', 'group_id'], False, True, 'loss')
-    >>> GRPO().group_normalised, GRPO(scale_std=False).group_normalised
+    >>> c.group_normalised, GRPO.contract(scale_std=False).group_normalised
     (True, False)
     """
 
-    needs_critic = False
-    needs_groups = True
-    kl_in = "loss"
-    group_normalised = True
     in_keys = [REWARD, RESPONSE_MASK, GROUP_ID]
     out_keys = [ADVANTAGE, VALUE_TARGET]
+
+    @classmethod
+    def contract(cls, scale_std: bool = True, **args) -> AdvantageContract:
+        """Groups, no critic, the KL in the loss; group-normalised while it divides by the std
+        (any ``scale_std`` but False counts: a wrong value is refused when it is built)."""
+        return AdvantageContract(needs_critic=False, needs_groups=True, kl_in="loss",
+                                 group_normalised=scale_std is not False)
 
     def __init__(self, scale_std: bool = True, eps: float = 1e-4):
         super().__init__()
@@ -86,7 +90,6 @@ class GRPO(TensorDictModuleBase):
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise UserError(f"advantage 'grpo': eps must be a number > 0, got {eps!r}")
         self.scale_std, self.eps = scale_std, float(eps)
-        self.group_normalised = scale_std
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         advantage = grpo_advantage(td.get(REWARD), td.get(RESPONSE_MASK), td.get(GROUP_ID),

@@ -25,9 +25,8 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
-from rlpipe.core.base.errors import UserError
-from rlpipe.core.base.ops import masked_whiten
-from rlpipe.core.base.schema import ADVANTAGE, RESPONSE_MASK, REWARD, VALUE_TARGET
+from rlpipe.plugin import (ADVANTAGE, RESPONSE_MASK, REWARD, VALUE_TARGET, AdvantageContract,
+                           UserError, masked_whiten)
 from rlpipe.plugins.advantages.gae import discounted_cumsum
 
 
@@ -55,13 +54,18 @@ class ReinforcePP(TensorDictModuleBase):
     Args:
         gamma: discount of the returns
 
-    >>> ReinforcePP().in_keys, ReinforcePP.needs_critic
+    >>> ReinforcePP().in_keys, ReinforcePP.contract().needs_critic
     (['reward', 'response_mask'], False)
     """
 
-    needs_critic = False
     in_keys = [REWARD, RESPONSE_MASK]
     out_keys = [ADVANTAGE, VALUE_TARGET]
+
+    @classmethod
+    def contract(cls, **args) -> AdvantageContract:
+        """No critic; the batch-normalised returns are per sample, so the KL fits in the reward
+        (normalised over the whole batch, not per group)."""
+        return AdvantageContract(needs_critic=False, kl_in="reward")
 
     def __init__(self, gamma: float = 1.0):
         super().__init__()

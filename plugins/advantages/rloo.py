@@ -23,9 +23,8 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
-from rlpipe.core.base.errors import UserError
-from rlpipe.core.base.ops import masked_whiten
-from rlpipe.core.base.schema import ADVANTAGE, GROUP_ID, RESPONSE_MASK, REWARD, VALUE_TARGET
+from rlpipe.plugin import (ADVANTAGE, GROUP_ID, RESPONSE_MASK, REWARD, VALUE_TARGET,
+                           AdvantageContract, UserError, masked_whiten)
 
 
 def rloo_advantage(reward: torch.Tensor, mask: torch.Tensor,
@@ -61,15 +60,18 @@ class RLOO(TensorDictModuleBase):
     It needs groups (``collector.n >= 2``); the KL penalty goes in the loss unless ``kl.in``
     says otherwise (in the reward it is allowed: no group std divides the scores).
 
-    >>> RLOO(whiten=True).in_keys, RLOO.needs_critic, RLOO.needs_groups, RLOO.kl_in
-    (['reward', 'response_mask', 'group_id'], False, True, 'loss')
+    >>> c = RLOO.contract(whiten=True)
+    >>> RLOO(whiten=True).in_keys, c.needs_critic, c.needs_groups, c.kl_in, c.group_normalised
+    (['reward', 'response_mask', 'group_id'], False, True, 'loss', False)
     """
 
-    needs_critic = False
-    needs_groups = True
-    kl_in = "loss"
     in_keys = [REWARD, RESPONSE_MASK, GROUP_ID]
     out_keys = [ADVANTAGE, VALUE_TARGET]
+
+    @classmethod
+    def contract(cls, **args) -> AdvantageContract:
+        """Groups, no critic, the KL in the loss (in the reward allowed: no std divides)."""
+        return AdvantageContract(needs_critic=False, needs_groups=True, kl_in="loss")
 
     def __init__(self, whiten: bool = False):
         super().__init__()

@@ -35,12 +35,10 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
                           StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
 
-from rlpipe.core.base import schema
 from rlpipe.core.models.distributed import unsharded
-from rlpipe.core.base.errors import UserError
-from rlpipe.core.models.lora import merged_weights
 from rlpipe.core.models.lm import generation_cache, unwrap
-from rlpipe.plugins.collectors.base import Collector, Count, Fraction, Temperature, Tokens, TopK
+from rlpipe.core.models.lora import merged_weights
+from rlpipe.plugin import Collector, Count, Fraction, Temperature, Tokens, TopK, UserError, schema
 
 
 STATIC_WIDTH = 64   # ``cache: static``: prompt widths are rounded up to a multiple of this

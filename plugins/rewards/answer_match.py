@@ -35,9 +35,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from rlpipe.core.base import schema
-from rlpipe.core.base.errors import UserError
-from rlpipe.core.contracts.reward_fn import batch_texts
+from rlpipe.plugin import RewardContract, UserError, batch_texts, schema
 
 Extract = Literal["auto", "boxed", "hash", "number", "regex"]
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
@@ -137,7 +135,15 @@ class AnswerMatch(nn.Module):
         pattern: with extract regex: a regular expression, its last match's first group
         tolerance: numbers match within this (relative beyond 1)
         format_reward: reward for an answer present but wrong (0: none); a match gets 1
+
+    >>> AnswerMatch.contract(column="solution")
+    RewardContract(columns=('solution',), scores_prefixes=False)
     """
+
+    @classmethod
+    def contract(cls, column: str = "answer", **args) -> RewardContract:
+        """It reads the dataset column ``column`` (checked against the data before step 1)."""
+        return RewardContract(columns=(column,))
 
     def __init__(self, column: str = "answer", extract: Extract = "auto",
                  pattern: str | None = None, tolerance: float = 1e-6, format_reward: float = 0.0):
@@ -156,11 +162,6 @@ class AnswerMatch(nn.Module):
             raise UserError(f"answer_match: tolerance must be >= 0, got {tolerance!r}")
         self.column, self.extract = column, extract
         self.tolerance, self.format_reward = tolerance, format_reward
-
-    @property
-    def columns(self) -> tuple[str, ...]:
-        """The dataset column this reward reads (checked against the data before step 1)."""
-        return (self.column,)
 
     def forward(self, td) -> torch.Tensor:
         scores = answer_scores(batch_texts(td, schema.RESPONSE_TEXT),

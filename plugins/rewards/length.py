@@ -19,9 +19,7 @@ tensor([ 0.0000, -0.5000, -1.5000])
 import torch
 from torch import nn
 
-from rlpipe.core.base.context import RunContext
-from rlpipe.core.base.errors import UserError
-from rlpipe.core.base.schema import FINISHED, RESPONSE_MASK
+from rlpipe.plugin import FINISHED, RESPONSE_MASK, RewardContract, RunContext, UserError
 
 
 def length_penalty(lengths: torch.Tensor, finished: torch.Tensor, *, min_tokens: int = 0,
@@ -72,6 +70,11 @@ class LengthPenalty(nn.Module):
     """
 
     in_keys = [RESPONSE_MASK, FINISHED]
+
+    @classmethod
+    def contract(cls, **args) -> RewardContract:
+        """No dataset column; a prefix's length says nothing of the finished response's."""
+        return RewardContract()
 
     def __init__(self, *, min_tokens: int = 0, max_tokens: int | None = None,
                  per_token: float = 0.01, buffer: int = 0, penalty: float = 1.0,

@@ -22,8 +22,7 @@ tensor([ 0., -1.])
 import torch
 from torch import nn
 
-from rlpipe.core.base.errors import UserError
-from rlpipe.core.base.schema import RESPONSE_IDS, RESPONSE_MASK
+from rlpipe.plugin import RESPONSE_IDS, RESPONSE_MASK, RewardContract, UserError
 
 
 def repeat_fraction(tokens: torch.Tensor, n: int = 3) -> float:
@@ -108,6 +107,11 @@ class LoopPenalty(nn.Module):
     """
 
     in_keys = [RESPONSE_IDS, RESPONSE_MASK]
+
+    @classmethod
+    def contract(cls, **args) -> RewardContract:
+        """No dataset column; a prefix's loops are not the finished response's."""
+        return RewardContract()
 
     def __init__(self, *, n: int = 3, penalty: float = 1.0, tail: bool = True,
                  max_period: int = 64, min_repeats: int = 3):

@@ -25,13 +25,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from rlpipe.core.base.context import RunContext
-from rlpipe.core.base.errors import UserError
-from rlpipe.core.base.hub import ModelPath, find_model
+from rlpipe.core.base.hub import find_model
 from rlpipe.core.base.model_files import check_finite, check_model_dir, check_weights, loading
 from rlpipe.core.models.lm import load_tokenizer
-from rlpipe.core.contracts.reward_fn import batch_texts
-from rlpipe.core.base.schema import PROMPT_TEXT, RESPONSE_TEXT
+from rlpipe.plugin import (PROMPT_TEXT, RESPONSE_TEXT, ModelPath, RewardContract, RunContext,
+                           UserError, batch_texts)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -124,7 +122,11 @@ class RewardModel(nn.Module):
     """
 
     in_keys = [PROMPT_TEXT, RESPONSE_TEXT]
-    scores_prefixes = True  # its score of a partial response says how the response is going
+
+    @classmethod
+    def contract(cls, **args) -> RewardContract:
+        """Its score of a partial response says how the response is going (scores_prefixes)."""
+        return RewardContract(scores_prefixes=True)
 
     def __init__(self, path: ModelPath, *, batch_size: int = 16, max_length: int = 512,
                  dtype: Literal["float32", "bfloat16"] = "float32", offload: bool = False,

@@ -3,8 +3,7 @@
 import torch
 from tensordict.nn import TensorDictModuleBase
 
-from rlpipe.core.base import schema
-from rlpipe.core.base.errors import UserError
+from rlpipe.plugin import AdvantageContract, UserError, schema
 
 
 def reward_to_go(reward: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
@@ -25,18 +24,25 @@ def reward_to_go(reward: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -
 class RewardToGo(TensorDictModuleBase):
     """Writes ``advantage`` = ``value_target`` = the masked discounted reward-to-go.
 
-    Config keys: ``gamma`` (1.0). Needs no critic.
+    Config keys: ``gamma`` (1.0). Its contract: no critic, and the KL penalty in the reward
+    (each token's return is a plain sum of its rewards; nothing divides a group by its spread).
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({schema.REWARD: torch.tensor([[0.0, 1.0, 0.0]]),
     ...                  schema.RESPONSE_MASK: torch.tensor([[1, 1, 0]]).bool()}, batch_size=[1])
     >>> RewardToGo(gamma=0.5)(td)[schema.ADVANTAGE]
     tensor([[0.5000, 1.0000, 0.0000]])
+    >>> RewardToGo.contract(gamma=0.5).needs_critic
+    False
     """
 
     in_keys = [schema.REWARD, schema.RESPONSE_MASK]
     out_keys = [schema.ADVANTAGE, schema.VALUE_TARGET]
-    needs_critic = False
+
+    @classmethod
+    def contract(cls, gamma: float = 1.0) -> AdvantageContract:
+        """What rlpipe needs to know before building it (the same for every ``gamma``)."""
+        return AdvantageContract(needs_critic=False, kl_in="reward")
 
     def __init__(self, gamma: float = 1.0):
         super().__init__()

@@ -1,7 +1,7 @@
 """The config reference, read from the code: every setting's type, default, range and one-line
 help, from the config dataclasses (`num(...)`/`opt(...)` field metadata in `rlpipe.core.config.settings`)
 and from the plugins' signatures and ``Args:`` docstrings. ``rlpipe config --defaults``,
-``rlpipe config --explain KEY`` and the docs' config page (``python -m rlpipe.core.config.explain``) all
+``rlpipe config --explain KEY`` and the docs' config page (``python -m rlpipe.tools.explain``) all
 print from here, so none of them can drift from what the loader accepts.
 
 >>> print(explain("train.lr"))
@@ -257,7 +257,7 @@ file; paths given as `KEY=VALUE` overrides are relative to the working directory
 line: `rlpipe config --defaults` prints all of this as a YAML file, `rlpipe config --explain KEY`
 one setting, and `rlpipe config CONFIG` what a config resolves to, plugin defaults included.
 
-This page is generated from the code (`python -m rlpipe.core.config.explain > docs/config.md`; a test
+This page is generated from the code (`python -m rlpipe.tools.explain > docs/config.md`; a test
 fails when it is stale): the help is the `help` of each field in `rlpipe.core.config.settings`, and a
 plugin's arguments come from its signature and the `Args:` section of its docstring.
 """

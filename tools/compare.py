@@ -1,5 +1,5 @@
 """Several runs overlaid (``rlpipe report RUN_A RUN_B ...``): one figure per panel of
-`rlpipe.core.observe.report`, each run in its own colour, written as ``compare-*.png`` into the first
+`rlpipe.tools.report`, each run in its own colour, written as ``compare-*.png`` into the first
 run's ``report/`` folder, and a table of each run's final numbers.
 
 >>> import json, shutil, tempfile
@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlpipe.core.base.errors import UserError
-from rlpipe.core.observe.report import (PANELS, STYLES, _expand, _finite, _report_dir, _series,
+from rlpipe.tools.report import (PANELS, STYLES, _expand, _finite, _report_dir, _series,
                                         _text, draw_panels, load_metrics)
 
 COLUMNS = ("reward/score", "kl/ref", "eval/score")  # the table's final values

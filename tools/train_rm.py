@@ -14,7 +14,7 @@ The demo config trains the tiny example's random 2-layer Llama on 40 pairs (a fe
 
 >>> import tempfile
 >>> from pathlib import Path
->>> config = Path(__file__).resolve().parents[2] / "examples" / "reward_model" / "config.yaml"
+>>> config = Path(__file__).resolve().parents[1] / "examples" / "reward_model" / "config.yaml"
 >>> out = Path(tempfile.mkdtemp()) / "rm"
 >>> cfg = load_rm_config(config, ["train.epochs=1", "train.device=cpu", f"output_dir={out}"])
 >>> trainer = RewardModelTrainer(cfg, progress=False)

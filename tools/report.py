@@ -25,7 +25,7 @@ from typing import NamedTuple
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.observe.metrics import load_metrics
 from rlpipe.core.observe.samples import first_vs_last
-from rlpipe.core.observe.health import report_section
+from rlpipe.tools.doctor import report_section
 
 
 class Panel(NamedTuple):
@@ -224,5 +224,5 @@ def summary(run_dir: Path) -> str:
     if times := _finite(rows, "time/step_s"):
         total = sum(v for _, v in times)
         lines.append(f"time               {total:.1f} s ({total / 60:.1f} min) over {len(times)} steps")
-    lines.append(report_section(run_dir))  # the health rules that fired (rlpipe.core.observe.health)
+    lines.append(report_section(run_dir))  # the health rules that fired (rlpipe.tools.doctor)
     return "\n".join(lines)

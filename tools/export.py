@@ -1,9 +1,8 @@
-"""Policies that load without rlpipe: the ``policy/`` folder of each checkpoint, and
-``rlpipe export RUN_DIR [--step N] OUT``.
+"""Policies that load without rlpipe: ``rlpipe export RUN_DIR [--step N] OUT``.
 
 A one-process checkpoint ``checkpoints/step-N/`` holds ``policy/``, written with the checkpoint
-(inside its manifest): the actor as a ``save_pretrained`` folder with its tokenizer, readable by
-``AutoModelForCausalLM.from_pretrained``; for a LoRA actor the peft adapter alone
+(inside its manifest; `rlpipe.core.run.checkpoint.save_policy`): the actor as a
+``save_pretrained`` folder with its tokenizer, readable by ``AutoModelForCausalLM.from_pretrained``; for a LoRA actor the peft adapter alone
 (``adapter_config.json`` names the base model folder), readable by
 ``PeftModel.from_pretrained(base, folder)``. `export` writes such a folder from any checkpoint of a
 run (distributed ones too, and a LoRA actor merged into its base, which also covers a base built
@@ -13,7 +12,6 @@ checkpoint's weights into it and saves it.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
@@ -27,21 +25,6 @@ from rlpipe.core.models.distributed import load_full_state
 from rlpipe.core.models.lm import load_causal_lm, load_tokenizer
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.run import checkpoint, runlock
-
-POLICY = "policy"
-
-
-def save_policy(actor, tokenizer, folder: Path, base_path) -> None:
-    """``actor`` (or its LoRA adapter alone) and ``tokenizer`` as a ``save_pretrained`` folder;
-    an adapter's ``adapter_config.json`` names ``base_path`` as its base."""
-    folder = Path(folder)
-    actor.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    adapter = folder / "adapter_config.json"
-    if adapter.is_file():
-        config = json.loads(adapter.read_text())
-        config["base_model_name_or_path"] = str(base_path)
-        adapter.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
@@ -134,7 +117,7 @@ def _export(run_dir: Path, out, step: int | None, merge: bool) -> Path:
     tmp = out.with_name(f".{out.name}.tmp-export-{os.getpid()}")  # beside OUT, then renamed
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        saved = path / POLICY
+        saved = path / checkpoint.POLICY
         if saved.is_dir() and not (lora and merge):  # the checkpoint's own folder is the answer
             shutil.copytree(saved, tmp)
         else:
@@ -142,7 +125,7 @@ def _export(run_dir: Path, out, step: int | None, merge: bool) -> Path:
                 actor, tokenizer = _rebuilt_actor(cfg, path)
                 if lora and merge:
                     actor = actor.merge_and_unload()
-                save_policy(actor, tokenizer, tmp, cfg.models.actor.path)
+                checkpoint.save_policy(actor, tokenizer, tmp, cfg.models.actor.path)
         tmp.rename(out)  # onto a missing or empty OUT
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
