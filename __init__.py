@@ -20,4 +20,8 @@ def __getattr__(name):  # lazy: `import rlpipe` stays cheap (no torch import) fo
         from rlpipe.core.run import pipeline
 
         return getattr(pipeline, name)
+    if name in ("Callback", "Hooks", "default_callbacks"):  # a loop of your own (docs/compose.md)
+        from rlpipe.core.run import callbacks
+
+        return getattr(callbacks, name)
     raise AttributeError(f"module 'rlpipe' has no attribute {name!r}")

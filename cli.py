@@ -191,8 +191,9 @@ def config_cmd(config_path, overrides, defaults, explain_key):
     from rlpipe.core.base.errors import UserError
     from rlpipe.core.config import compose
     from rlpipe.tools import explain
+    from rlpipe.core.config.plan import plan_run
     from rlpipe.core.config.settings import load_config
-
+    from rlpipe.core.run.build import load_run_data
 
     if defaults:
         click.echo(explain.defaults_yaml(), nl=False)
@@ -203,10 +204,15 @@ def config_cmd(config_path, overrides, defaults, explain_key):
         click.echo(explain.explain(explain_key))
         return
     cfg = compose.apply(load_config(config_path, overrides))  # what `rlpipe run` would refuse too
+    plan = plan_run(cfg)
+    if cfg.data.prompts is not None:  # the data's columns, as `rlpipe run` checks them first
+        load_run_data(cfg, plan)
     if explain_key is not None:
         click.echo(explain.explain(explain_key, cfg))
         return
-    click.echo(yaml.safe_dump(explain.with_plugin_defaults(cfg), sort_keys=False), nl=False)
+    resolved = explain.with_plugin_defaults(cfg)
+    resolved["collector"].update(plan.collector.args)  # a default prompt budget lowered to fit
+    click.echo(yaml.safe_dump(resolved, sort_keys=False), nl=False)
 
 
 @main.command()

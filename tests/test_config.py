@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from rlpipe.cli import main
 from rlpipe.core.base.yamlconf import parse_overrides
+from rlpipe.core.config.plan import plan_run
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.errors import UserError
 from rlpipe.tools.explain import with_plugin_defaults
@@ -55,7 +56,7 @@ def test_valid_config_loads_with_defaults_and_plugin_args(cfg_file):
     cfg = load_config(cfg_file)
     assert cfg.collector.name == "hf" and cfg.collector.args["max_new_tokens"] == 24
     assert cfg.data.prompts == cfg_file.parent / "prompts.txt"       # relative to the YAML file
-    assert cfg.train.max_grad_norm == 1.0 and cfg.kl.estimator == "k1"
+    assert cfg.train.max_grad_norm == 1.0 and cfg.kl.estimator is None  # the plan chooses it
     assert [r.key for r in cfg.rewards] == ["length", "loop"]
 
 
@@ -93,7 +94,11 @@ def test_resolved_config_round_trips(cfg_file, tmp_path):
     resolved = tmp_path / "resolved.yaml"
     resolved.write_text(result.stdout)
     again = load_config(resolved)  # the same config, plugin defaults now written out
-    assert again.to_dict() == with_plugin_defaults(load_config(cfg_file, ["run.steps=4"]))
+    expected = with_plugin_defaults(cfg := load_config(cfg_file, ["run.steps=4"]))
+    expected["collector"]["max_prompt_tokens"] = 256 - 24  # the plan's budget, lowered to fit
+    assert again.to_dict() == expected
+    first, second = plan_run(cfg), plan_run(again)  # the same run planned
+    assert (first.kl, first.scoring, first.budgets) == (second.kl, second.scoring, second.budgets)
 
 
 @pytest.mark.parametrize("change, message", [

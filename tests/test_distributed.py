@@ -50,25 +50,79 @@ def command(out_dir, *args):
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RLPIPE_DEVICE": "cpu"}
 
 
+# A clip fraction counts discrete events: reduction-order round-off (one process against two)
+# can move a token across the clip edge, but only a token that lies within that round-off of the
+# edge. The log-ratio log(pi/pi_old) is the difference of two float32 log-probs, each a
+# log-softmax over the vocabulary (1000 terms, the longest reduction in either forward): each is
+# within n*u of its exact value (n = 1000, u = 2^-24), the difference within EDGE = 2*n*u = 1.2e-4.
+# A value delta v - v_old is within EDGE times (1 + |v| + |v_old|) likewise. EDGE_HOOK (a
+# `sitecustomize` on every run's PYTHONPATH) counts, in each run, the tokens whose log-ratio lies
+# within EDGE of log(1 - clip_low) or log(1 + clip_high), or whose |v - v_old| lies within that
+# bound of value_clip; a step's logged clip fraction (a token mean over its epochs' minibatches)
+# may then differ by that count over the step's tokens, and by nothing more.
+EDGE = 2 * 1000 * 2.0 ** -24
+FRACTIONS = ("policy/clipfrac", "value/clipfrac")
+EDGE_HOOK = f"""import math, os
+import torch
+from rlpipe.plugins.losses import ppo
+_policy, _value = ppo.ppo_policy_loss, ppo.ppo_value_loss
+def _count(key, near):
+    with open(os.environ["RLPIPE_TEST_EDGES"], "a") as f:
+        f.write(key + " " + str(int(near.sum())) + chr(10))
+def _policy_edges(log_prob, old_log_prob, advantage, *, clip_low, clip_high, **kw):
+    log_ratio = (log_prob - old_log_prob).detach()
+    _count("policy/clipfrac", ((log_ratio - math.log1p(-clip_low)).abs() <= {EDGE!r})
+           | ((log_ratio - math.log1p(clip_high)).abs() <= {EDGE!r}))
+    return _policy(log_prob, old_log_prob, advantage, clip_low=clip_low, clip_high=clip_high, **kw)
+def _value_edges(value_pred, old_value, value_target, *, value_clip=0.2, **kw):
+    if value_clip is not None:
+        v, old = value_pred.detach(), old_value.detach()
+        _count("value/clipfrac",
+               ((v - old).abs() - value_clip).abs() <= {EDGE!r} * (1 + v.abs() + old.abs()))
+    return _value(value_pred, old_value, value_target, value_clip=value_clip, **kw)
+ppo.ppo_policy_loss, ppo.ppo_value_loss = _policy_edges, _value_edges
+"""
+
+
+def edge_env(out_dir, site: Path | None = None, hooks: str = "") -> dict:
+    """``ENV`` with EDGE_HOOK (and ``hooks``) as the ``sitecustomize`` of a run into ``out_dir``,
+    counting its edge tokens in ``out_dir``.edges."""
+    out_dir = Path(out_dir)
+    site = site or out_dir.parent / f"{out_dir.name}.site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(EDGE_HOOK + hooks)
+    return {**ENV, "PYTHONPATH": python_path(site),
+            "RLPIPE_TEST_EDGES": str(out_dir.parent / f"{out_dir.name}.edges")}
+
+
 def run(out_dir, *args, code=0):
-    out = subprocess.run(command(out_dir, *args), env=ENV, capture_output=True, text=True,
-                         timeout=400, stdin=subprocess.DEVNULL)
+    out = subprocess.run(command(out_dir, *args), env=edge_env(out_dir), capture_output=True,
+                         text=True, timeout=400, stdin=subprocess.DEVNULL)
     assert out.returncode == code, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
 
-# A clip fraction counts discrete events: reduction-order round-off (one process against two)
-# can move a token across the clip boundary. Each minibatch holds at most 8 x 24 = 192 tokens,
-# so two flipped tokens move the logged mean (over 2 epochs x 2 minibatches) by at most 2/192.
-FRACTION_TOL = {"policy/clipfrac": 2 / 192, "value/clipfrac": 2 / 192}
+def edge_tokens(out_dir) -> dict[str, int]:
+    """``{clip fraction: tokens}`` a run found within round-off of that clip's edge
+    (EDGE_HOOK), over all its steps and ranks."""
+    counts = dict.fromkeys(FRACTIONS, 0)
+    for line in (Path(out_dir).parent / f"{Path(out_dir).name}.edges").read_text().splitlines():
+        key, n = line.split()
+        counts[key] += int(n)
+    return counts
 
 
 def assert_same_update(one, two, rel=1e-4):
     m1, m2 = metrics(one), metrics(two)
     assert [r["step"] for r in m1] == [r["step"] for r in m2] == [1, 2]  # rank 0 alone writes
+    cfg = yaml.safe_load((Path(one) / "config.yaml").read_text())
+    samples = cfg["data"]["batch_size"] * cfg["collector"]["n"] * cfg["train"]["epochs"]
+    e1, e2 = edge_tokens(one), edge_tokens(two)
+    edges = {k: min(e1[k], e2[k]) for k in FRACTIONS}  # a flip needs an edge token in both runs
     for a, b in zip(m1, m2):
         for key in UPDATE_KEYS:
-            assert a[key] == pytest.approx(b[key], rel=rel, abs=FRACTION_TOL.get(key, 1e-5)), key
+            tol = edges[key] / (samples * a["response/length"]) if key in FRACTIONS else 1e-5
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=tol), (key, edges)
     w1, w2 = weights(one), weights(two)
     assert w1.keys() == w2.keys()
     for k in w1:
@@ -112,13 +166,11 @@ def test_packed_rows_under_fsdp2_give_the_padded_update(tmp_path):
     words = "a long and winding prompt that keeps going on about the weather in the hills"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"{words} {words} {i}\nHello {i}\n" for i in range(4)))
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(PACK_LOG)
     log = tmp_path / "packed.log"
     data = [f"data.prompts={prompts}", "data.shuffle=false"]
     one, two = tmp_path / "one", tmp_path / "two"
     run(one, *GREEDY, *data, "models.packed=false")
-    env = {**ENV, "PYTHONPATH": python_path(tmp_path / "site"), "RLPIPE_TEST_PACKED": str(log)}
+    env = {**edge_env(two, tmp_path / "site", PACK_LOG), "RLPIPE_TEST_PACKED": str(log)}
     out = subprocess.run(command(two, *GREEDY, *data, "distributed.nproc=2"), env=env,
                          capture_output=True, text=True, timeout=400, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

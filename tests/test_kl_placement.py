@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModuleBase
 
 from rlpipe.core.config.kl_placement import DEFAULT_ESTIMATOR
+from rlpipe.core.config.plan import plan_run
 from rlpipe.core.step import kl
 from rlpipe.core.contracts import registry
 from rlpipe.core.contracts.kinds import AdvantageContract, advantage_contract
@@ -103,7 +104,9 @@ def test_flat_rewards_leave_a_group_run_where_it_started(tmp_path, advantage):
     cfg = tiny(tmp_path, f"advantage.name={advantage}", "collector.n=2", "kl.coef=0.5",
                "run.steps=3", "train.epochs=1", "train.minibatches=1", "models.actor.init=random")
     pipe = Pipeline(cfg, progress=False, rewards=[zero])
-    assert (pipe.cfg.kl.in_, pipe.cfg.kl.estimator) == ("loss", "k2")
+    assert (pipe.plan.kl.in_, pipe.plan.kl.estimator) == ("loss", "k2")
+    assert (pipe.kl.where, pipe.kl.estimator) == ("loss", "k2")  # the run's one penalty
+    assert (pipe.cfg.kl.in_, pipe.cfg.kl.estimator) == (None, None)  # never written back
     batch, first = pipe.step()
     assert batch[S.ADVANTAGE].abs().max() == 0 and first["policy/loss"] == 0
     run_dir = pipe.train()
@@ -112,7 +115,7 @@ def test_flat_rewards_leave_a_group_run_where_it_started(tmp_path, advantage):
     # the same run with k1 in the loss (what the refusal prevents) moves at once
     cfg = tiny(tmp_path / "k1", f"advantage.name={advantage}", "collector.n=2", "kl.coef=0.5",
                "run.steps=1", "train.epochs=1", "train.minibatches=1", "models.actor.init=random")
-    cfg.kl.auto, cfg.kl.estimator = (), "k3"
+    cfg.kl.estimator = "k3"
     pipe = Pipeline(cfg, progress=False, rewards=[zero])
     pipe.kl.estimator = "k1"  # the run's one penalty: the loop's, the trainer's and the loss's
     assert pipe.step()[1]["train/grad_norm"] > 1e-2
@@ -131,15 +134,16 @@ def test_k1_in_the_loss_moves_the_policy_on_flat_rewards():
 
 @pytest.mark.parametrize("advantage", ["gae", "reinforce_pp"])
 def test_estimators_with_their_own_baseline_keep_the_kl_in_the_reward(tmp_path, advantage):
-    cfg = tiny(tmp_path, f"advantage.name={advantage}")
-    assert (cfg.kl.in_, cfg.kl.estimator) == ("reward", "k1")
+    plan = plan_run(tiny(tmp_path, f"advantage.name={advantage}"))
+    assert (plan.kl.in_, plan.kl.estimator, plan.kl.chosen) == ("reward", "k1",
+                                                                 ("kl.in", "kl.estimator"))
 
 
 def test_k1_in_the_loss_is_refused(tmp_path):
     with pytest.raises(UserError, match=r"^kl.estimator: k1 in the loss regularises nothing"):
         tiny(tmp_path, "advantage.name=grpo", "collector.n=2", "kl.estimator=k1")
-    cfg = tiny(tmp_path, "advantage.name=grpo", "collector.n=2", "kl.estimator=k3")
-    assert (cfg.kl.in_, cfg.kl.estimator) == ("loss", "k3")
+    plan = plan_run(tiny(tmp_path, "advantage.name=grpo", "collector.n=2", "kl.estimator=k3"))
+    assert (plan.kl.in_, plan.kl.estimator, plan.kl.chosen) == ("loss", "k3", ("kl.in",))
 
 
 def test_kl_in_a_group_normalised_score_is_refused(tmp_path):
@@ -150,7 +154,7 @@ def test_kl_in_a_group_normalised_score_is_refused(tmp_path):
     for extra in (["advantage.scale_std=false"], [], ["kl.coef=0"]):
         name = "rloo" if extra == [] else "grpo"
         cfg = tiny(tmp_path, f"advantage.name={name}", "collector.n=2", "kl.in=reward", *extra)
-        assert cfg.kl.in_ == "reward"
+        assert plan_run(cfg).kl.in_ == "reward"
 
 
 class GroupedBaseline(TensorDictModuleBase):
@@ -178,9 +182,10 @@ def test_a_python_stage_gets_its_own_placement_and_refusals(tmp_path):
     from rlpipe.plugins.advantages import GRPO
 
     cfg = tiny(tmp_path, "collector.n=1")
-    assert cfg.kl.in_ == "reward"  # gae
+    assert plan_run(cfg).kl.in_ == "reward"  # gae
     with pytest.raises(UserError, match=r"^collector.n: .* needs collector.n >= 2"):
         Pipeline(cfg, progress=False, advantage=GRPO())
     cfg = tiny(tmp_path, "collector.n=2")
     pipe = Pipeline(cfg, progress=False, advantage=GRPO())
-    assert (pipe.cfg.kl.in_, pipe.cfg.kl.estimator) == ("loss", "k2")
+    assert (pipe.plan.kl.in_, pipe.plan.kl.estimator) == ("loss", "k2")
+    assert plan_run(cfg).kl.in_ == "reward"  # the config itself is unchanged: gae's

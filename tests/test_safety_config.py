@@ -204,13 +204,21 @@ def test_boundary_values_load(cfg_file, overrides):
 
 
 def test_unset_prompt_budget_shrinks_to_the_context(cfg_file):
-    """max_prompt_tokens left at the plugin's 256 is lowered to 256 - max_new_tokens; shown in
-    the resolved config, and unchanged where it fits."""
-    assert load_config(cfg_file).collector.args["max_prompt_tokens"] == 256 - 24
-    assert load_config(cfg_file, ["collector.max_new_tokens=56"]).collector.args[
-        "max_prompt_tokens"] == 200
-    assert load_config(cfg_file, ["collector.max_prompt_tokens=100"]).collector.args[
-        "max_prompt_tokens"] == 100
+    """max_prompt_tokens left at the plugin's 256 is lowered to 256 - max_new_tokens in the
+    run's plan (the collector is built with it; the config is not written), and unchanged where
+    it fits."""
+    from rlpipe.core.config.plan import plan_run
+
+    def budget(*overrides):
+        cfg = load_config(cfg_file, list(overrides))
+        assert "max_prompt_tokens" not in cfg.collector.args or overrides
+        plan = plan_run(cfg)
+        assert plan.collector.args["max_prompt_tokens"] == plan.budgets.prompt_tokens
+        return plan.sampling.max_prompt_tokens
+
+    assert budget() == 256 - 24
+    assert budget("collector.max_new_tokens=56") == 200
+    assert budget("collector.max_prompt_tokens=100") == 100
 
 
 def test_world_size_from_torchrun_counts(cfg_file, monkeypatch):

@@ -12,6 +12,7 @@ from tensordict import TensorDict
 from torchrl.objectives import LossModule
 
 from rlpipe.core.base import schema as S
+from rlpipe.core.config.plan import plan_run
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.step import kl
@@ -123,7 +124,7 @@ def updater(pipe, loss, *settings):
 
 def make(cfg, models, loss, temperature=1.0, device=torch.device("cpu"), dist=None):
     """An Updater given the sections of ``cfg`` it reads, as `Pipeline` builds it."""
-    return Updater(cfg.train, models, loss, kl.KLPenalty(cfg.kl), steps=cfg.run.steps,
+    return Updater(cfg.train, models, loss, kl.KLPenalty(plan_run(cfg).kl), steps=cfg.run.steps,
                    seed=cfg.run.seed, ptx=cfg.ptx, rollout_mode=cfg.rollout_correction.mode,
                    temperature=temperature, device=device, dist=dist)
 

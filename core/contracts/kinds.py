@@ -13,7 +13,7 @@ checks and the run read these dataclasses and nothing else of the plugin.
 Deprecated, for one release: an advantage's loose class attributes ``needs_critic``,
 ``needs_groups``, ``kl_in``, ``group_normalised`` and a reward's ``columns`` and
 ``scores_prefixes`` are still read (with a ``DeprecationWarning``) where no ``contract`` is
-declared; the next minor release reads ``contract`` alone.
+declared; rlpipe 0.2 reads ``contract`` alone (docs/plugins.md, "Versioning").
 
 >>> class Baseline:
 ...     @classmethod

@@ -179,9 +179,16 @@ class PipelineLoss(LossModule):
         log_prob: NestedKey = schema.LOG_PROB
         ref_log_prob: NestedKey = schema.REF_LOG_PROB
         response_mask: NestedKey = schema.RESPONSE_MASK
+        action_mask: NestedKey = schema.ACTION_MASK
         num_tokens: NestedKey = schema.NUM_TOKENS
 
     default_keys = _AcceptedKeys
+
+    def mask(self, td: TensorDictBase) -> torch.Tensor:
+        """The tokens the loss trains on: the policy's own (``action_mask``; a single-turn batch
+        without one: ``response_mask``), never an environment's observation tokens."""
+        keys = self.tensor_keys
+        return td.get(keys.action_mask if keys.action_mask in td.keys(True) else keys.response_mask)
 
     def set_kl(self, penalty: kl.KLPenalty) -> None:
         """Use the run's KL penalty in `kl_penalty` (the trainer calls this once, at build)."""
@@ -193,6 +200,6 @@ class PipelineLoss(LossModule):
         if self.kl is None:
             return None
         keys = self.tensor_keys
-        mask = td.get(keys.response_mask)
+        mask = self.mask(td)
         return self.kl.loss_term(td.get(keys.log_prob), td.get(keys.ref_log_prob), mask,
                                  global_count(td, keys.num_tokens, mask.sum()))

@@ -40,6 +40,7 @@ from tensordict import NonTensorStack, TensorDict
 from rlpipe.core.base import schema as S
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.contracts.environment import EnvironmentContract, call_env
+from rlpipe.core.contracts.registry import PluginError
 
 RECEIPTS = ("exact", "assistant_drift", "boundary_drift")
 _COUNTS = ("tool_calls", "tool_errors", "timeouts")
@@ -227,10 +228,8 @@ class MultiTurn:
             except (futures.TimeoutError, TimeoutError):
                 c.stop, c.counts["timeouts"] = "timeout", c.counts["timeouts"] + 1
                 continue
-            except UserError:
-                raise  # the environment broke its contract: one line, the run stops
-            except Exception as err:  # noqa: BLE001 - the environment's own failure ends the row
-                c.stop, c.error = "tool_error", f"{type(err).__name__}: {err}"
+            except PluginError as err:  # the environment's own failure ends the row, not the run
+                c.stop, c.error = "tool_error", str(err)
                 continue
             c.rewards.append(reward)
             for key in _COUNTS:
@@ -292,6 +291,7 @@ class MultiTurn:
         batch[S.PROMPT_TEXT] = NonTensorStack(*(_first_user(c.messages) for c in convs))
         batch[S.RESPONSE_TEXT] = NonTensorStack(*(_last_reply(c.messages) for c in convs))
         batch[S.CONVERSATION] = NonTensorStack(*(c.messages for c in convs))
+        batch["env", "error"] = NonTensorStack(*(c.error for c in convs))
         return batch
 
     def close(self) -> None:

@@ -119,7 +119,7 @@ def check_engine_log_prob(batch, mode: str, collector) -> None:
     if mode == "none":
         return
     who = registry.label_of(collector)
-    mask = batch[schema.RESPONSE_MASK]
+    mask = schema.action_mask(batch)
     bad = int((~torch.isfinite(batch[schema.ENGINE_LOG_PROB]) & mask).sum())
     if bad:
         raise UserError(f"the engine's log-probs ({schema.ENGINE_LOG_PROB!r} of the {who}) are NaN "
@@ -148,7 +148,7 @@ def apply(batch, settings) -> dict[str, float]:
     the engine's own and there is no gap to measure)."""
     if settings.mode == "bypass":
         return {}
-    mask = batch[schema.RESPONSE_MASK]
+    mask = schema.action_mask(batch)
     old, engine = batch[schema.OLD_LOG_PROB], batch[schema.ENGINE_LOG_PROB]
     weights = None
     if settings.mode in WEIGHTED:

@@ -76,6 +76,7 @@ class Updater:
         t, need, who = self.train, self.contract, registry.label_of(self.loss)
         total: dict[str, list[float]] = {}  # the one accumulator: parts of the stepped minibatches
         done = skipped = stopped = 0
+        kl_name = need.approx_kl_metric if t.target_kl is not None else None  # train.target_kl's
         self.grad_norms = {}
         with checkpointing(self.models.actor, self.models.critic):  # no-op unless enabled
             for _ in range(t.epochs):
@@ -89,19 +90,23 @@ class Updater:
                         add_parts(parts, {**{k: [v] for k, v in losses.items()}, **metrics})
                     if self.ptx is not None and train_actor:
                         add_parts(parts, self._ptx_parts())
-                    agreed = self._rank_mean({"loss": parts["loss_total"], **self._kl_parts(parts)})
+                    if kl_name is not None and kl_name not in parts:
+                        raise UserError(f"train.target_kl: {who} declares approx_kl_metric "
+                                        f"{kl_name!r} but did not write it")
+                    kl_parts = {"kl": parts[kl_name]} if kl_name is not None else {}
+                    agreed = _rank_mean(self.dist, {"loss": parts["loss_total"], **kl_parts})
                     if self._optimizer_step(train_actor, agreed["loss"][0]):
                         done += 1
                         add_parts(total, parts)
                     else:
                         skipped += 1
-                    stopped = t.target_kl is not None and exceeds(
-                        agreed["kl"], need.reduction(need.approx_kl_metric), t.target_kl)
+                    stopped = kl_name is not None and exceeds(
+                        agreed["kl"], need.reduction(kl_name), t.target_kl)
                     if stopped:
                         break
                 if stopped:
                     break
-        total = self._rank_mean(total)
+        total = _rank_mean(self.dist, total)
         metrics = {f"loss/{k[5:]}": v[0] / max(done, 1) for k, v in total.items()
                    if k.startswith("loss_")}
         metrics.update(finish({k: v for k, v in total.items() if not k.startswith("loss_")}, need))
@@ -226,21 +231,6 @@ class Updater:
         self.bad_terms = []
         return finite
 
-    def _kl_parts(self, parts: dict) -> dict:
-        """``{"kl": parts}`` of the declared approx-KL metric when ``train.target_kl`` is set."""
-        if self.train.target_kl is None:
-            return {}
-        name = self.contract.approx_kl_metric
-        if name not in parts:
-            raise UserError(f"train.target_kl: {registry.label_of(self.loss)} declares "
-                            f"approx_kl_metric {name!r} but did not write it")
-        return {"kl": parts[name]}
-
-    def _rank_mean(self, parts: dict[str, list[float]]) -> dict[str, list[float]]:
-        """Every part averaged over ranks (the ratios `rlpipe.core.step.loss.finish` takes stay)."""
-        flat = self.dist.mean({f"{k}[{i}]": x for k, v in parts.items() for i, x in enumerate(v)})
-        return {k: [flat[f"{k}[{i}]"] for i in range(len(v))] for k, v in parts.items()}
-
     def apply_learning_rates(self, train) -> None:
         """Set ``train.lr``, ``train.critic_lr`` and ``train.weight_decay`` on loaded optimizers:
         the schedules keep their position and scale the new base rates (a resume that changed
@@ -275,6 +265,12 @@ class Updater:
             self.scheds[k].load_state_dict(state["scheds"][k])
         self.shuffle.set_state(state["shuffle"])
         self.bad_in_a_row = int(state["bad_in_a_row"])
+
+
+def _rank_mean(dist: Dist, parts: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Every part averaged over ranks (the ratios `rlpipe.core.step.loss.finish` takes stay)."""
+    flat = dist.mean({f"{k}[{i}]": x for k, v in parts.items() for i, x in enumerate(v)})
+    return {k: [flat[f"{k}[{i}]"] for i in range(len(v))] for k, v in parts.items()}
 
 
 def grad_norm(params: list, max_norm: float | None) -> torch.Tensor:

@@ -194,7 +194,7 @@ class PolicyGradientLoss(PipelineLoss):
 
     def forward(self, td: TensorDictBase) -> TensorDict:
         keys = self.tensor_keys
-        mask = td.get(keys.response_mask)
+        mask = self.mask(td)
         agg = functools.partial(
             aggregate_loss, mask=mask, mode=self.agg,
             num_tokens=global_count(td, keys.num_tokens, mask.sum()),
