@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlpipe.core.config.plan import plan_run
 from rlpipe.core.run import build
 from rlpipe.core.step import optim
 from rlpipe.core.contracts import registry
@@ -60,8 +61,9 @@ def test_load_config_resolves_every_plugin_and_build_does_not_again(monkeypatch,
     for name in ("get", "load", "resolve", "find"):
         monkeypatch.setattr(registry, name, no_lookup)
     assert build.needs_critic(cfg) is True
-    plugins = build.build_plugins(cfg, ctx)
-    assert ctx.max_new_tokens == 24  # the collector's budget, handed on to the other plugins
+    plan = plan_run(cfg)
+    plugins = build.build_plugins(cfg, ctx, plan)
+    assert plan.budgets.new_tokens == 24  # build_run's RunContext hands it to every plugin
     assert registry.label_of(plugins.collector) == f"collector (rlpipe.collectors:hf ({DIST}))"
     assert [registry.label_of(part) for part in plugins.rewards.parts] == [
         f"rewards.0 (rlpipe.rewards:length ({DIST}))", f"rewards.1 (rlpipe.rewards:loop ({DIST}))"]

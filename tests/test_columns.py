@@ -183,3 +183,45 @@ def test_the_rollout_gather_keeps_columns_in_rank_order(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_gather_worker, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+
+
+def test_a_missing_column_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """Every column check (a configured reward's, a Python function's, the held-out data's) runs
+    on the data as read, before any model or run directory exists; `rlpipe config` catches it."""
+    from click.testing import CliRunner
+
+    from rlpipe.cli import main
+    from rlpipe.core.base.errors import UserError
+    from rlpipe.core.run import build
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the column check")
+
+    monkeypatch.setattr(build, "load_tokenizer", no_model)
+    monkeypatch.setattr(build, "load_causal_lm", no_model)
+    data, held_out = tmp_path / "rows.jsonl", tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows(4)))
+    held_out.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows(2)))
+    out = tmp_path / "run"
+    base = [f"run.output_dir={out}", f"data.prompts={data}", "data.batch_size=4"]
+    match = "columns: answer, weight, name, tests"
+    cfg = load_config(TINY, [*base, "rewards=[{name: answer_match, column: solution}]"])
+    with pytest.raises(UserError, match=rf"^reward 'answer_match' reads column 'solution', which "
+                                        rf"data.prompts does not have; {match}$"):
+        Pipeline(cfg, progress=False)
+
+    def solved(prompts, responses, solution, **batch):
+        return [0.0] * len(prompts)
+
+    with pytest.raises(UserError, match=r"^reward 'solved' reads column 'solution'"):
+        Pipeline(load_config(TINY, base), progress=False, rewards=[solved])
+    cfg = load_config(TINY, [*base, "rewards=[{name: answer_match, column: answer}]",
+                             f"eval.prompts={held_out}"])
+    with pytest.raises(UserError, match=r"^reward 'answer_match' reads column 'answer', which "
+                                        r"eval.prompts does not have; columns: none$"):
+        Pipeline(cfg, progress=False)
+    assert not out.exists()
+    result = CliRunner().invoke(main, ["config", str(TINY), *base,
+                                       "rewards=[{name: answer_match, column: solution}]"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert result.stderr.startswith("error: reward 'answer_match' reads column 'solution'")

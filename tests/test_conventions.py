@@ -93,7 +93,7 @@ def test_the_resolved_config_is_the_runs_hyperparameters(tmp_path, monkeypatch):
 
 def test_flat_config_is_what_tensorboard_takes():
     flat = metrics.flat_config(load_config(TINY).to_dict())
-    assert flat["run.steps"] == 12 and flat["kl.coef"] == 0.05 and flat["collector.n"] == 2
+    assert flat["run.steps"] == 12 and flat["kl.coef"] == 0.1 and flat["collector.n"] == 2
     assert all(isinstance(v, (int, float, str, bool)) for v in flat.values())
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 import yaml
 
+from tests import clip_edges
 from tests.conftest import final_weights as weights, logged_metrics as metrics, python_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,35 +51,24 @@ def command(out_dir, *args):
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RLPIPE_DEVICE": "cpu"}
 
 
-# A clip fraction counts discrete events: reduction-order round-off (one process against two)
-# can move a token across the clip edge, but only a token that lies within that round-off of the
-# edge. The log-ratio log(pi/pi_old) is the difference of two float32 log-probs, each a
-# log-softmax over the vocabulary (1000 terms, the longest reduction in either forward): each is
-# within n*u of its exact value (n = 1000, u = 2^-24), the difference within EDGE = 2*n*u = 1.2e-4.
-# A value delta v - v_old is within EDGE times (1 + |v| + |v_old|) likewise. EDGE_HOOK (a
-# `sitecustomize` on every run's PYTHONPATH) counts, in each run, the tokens whose log-ratio lies
-# within EDGE of log(1 - clip_low) or log(1 + clip_high), or whose |v - v_old| lies within that
-# bound of value_clip; a step's logged clip fraction (a token mean over its epochs' minibatches)
-# may then differ by that count over the step's tokens, and by nothing more.
-EDGE = 2 * 1000 * 2.0 ** -24
-FRACTIONS = ("policy/clipfrac", "value/clipfrac")
-EDGE_HOOK = f"""import math, os
-import torch
+# A clip fraction counts discrete events: the two runs' fractions may differ by the tokens that
+# lie within round-off of a clip edge (tests/clip_edges.py derives the bound), which EDGE_HOOK (a
+# `sitecustomize` on every run's PYTHONPATH) counts in each run, over all its steps and ranks.
+EDGE_HOOK = f"""import importlib.util, os
 from rlpipe.plugins.losses import ppo
+_spec = importlib.util.spec_from_file_location("clip_edges", {str(ROOT / "tests" / "clip_edges.py")!r})
+_edges = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_edges)
 _policy, _value = ppo.ppo_policy_loss, ppo.ppo_value_loss
 def _count(key, near):
     with open(os.environ["RLPIPE_TEST_EDGES"], "a") as f:
         f.write(key + " " + str(int(near.sum())) + chr(10))
 def _policy_edges(log_prob, old_log_prob, advantage, *, clip_low, clip_high, **kw):
-    log_ratio = (log_prob - old_log_prob).detach()
-    _count("policy/clipfrac", ((log_ratio - math.log1p(-clip_low)).abs() <= {EDGE!r})
-           | ((log_ratio - math.log1p(clip_high)).abs() <= {EDGE!r}))
+    _count("policy/clipfrac", _edges.edges((log_prob - old_log_prob).detach(), clip_low, clip_high))
     return _policy(log_prob, old_log_prob, advantage, clip_low=clip_low, clip_high=clip_high, **kw)
 def _value_edges(value_pred, old_value, value_target, *, value_clip=0.2, **kw):
     if value_clip is not None:
-        v, old = value_pred.detach(), old_value.detach()
-        _count("value/clipfrac",
-               ((v - old).abs() - value_clip).abs() <= {EDGE!r} * (1 + v.abs() + old.abs()))
+        _count("value/clipfrac", _edges.value_edges(value_pred.detach(), old_value.detach(), value_clip))
     return _value(value_pred, old_value, value_target, value_clip=value_clip, **kw)
 ppo.ppo_policy_loss, ppo.ppo_value_loss = _policy_edges, _value_edges
 """
@@ -105,7 +95,7 @@ def run(out_dir, *args, code=0):
 def edge_tokens(out_dir) -> dict[str, int]:
     """``{clip fraction: tokens}`` a run found within round-off of that clip's edge
     (EDGE_HOOK), over all its steps and ranks."""
-    counts = dict.fromkeys(FRACTIONS, 0)
+    counts = dict.fromkeys(clip_edges.FRACTIONS, 0)
     for line in (Path(out_dir).parent / f"{Path(out_dir).name}.edges").read_text().splitlines():
         key, n = line.split()
         counts[key] += int(n)
@@ -118,11 +108,11 @@ def assert_same_update(one, two, rel=1e-4):
     cfg = yaml.safe_load((Path(one) / "config.yaml").read_text())
     samples = cfg["data"]["batch_size"] * cfg["collector"]["n"] * cfg["train"]["epochs"]
     e1, e2 = edge_tokens(one), edge_tokens(two)
-    edges = {k: min(e1[k], e2[k]) for k in FRACTIONS}  # a flip needs an edge token in both runs
     for a, b in zip(m1, m2):
         for key in UPDATE_KEYS:
-            tol = edges[key] / (samples * a["response/length"]) if key in FRACTIONS else 1e-5
-            assert a[key] == pytest.approx(b[key], rel=rel, abs=tol), (key, edges)
+            tol = (clip_edges.tolerance(key, e1, e2, samples * a["response/length"])
+                   if key in clip_edges.FRACTIONS else 1e-5)
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=tol), (key, e1, e2)
     w1, w2 = weights(one), weights(two)
     assert w1.keys() == w2.keys()
     for k in w1:

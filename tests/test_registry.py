@@ -102,7 +102,8 @@ def test_same_name_from_two_distributions_is_a_conflict(fake_site):
 
 def test_plain_reward_function_is_wrapped(fake_site):
     cls = registry.load("rewards", "shout")
-    assert list(inspect.signature(cls).parameters) == ["bonus"]
+    # its settings, and `columns` (a mapping of parameters to data columns, reward_fn)
+    assert list(inspect.signature(cls).parameters) == ["bonus", "columns"]
     td = TensorDict({schema.FINISHED: torch.tensor([True, False])}, batch_size=[2])
     td[schema.PROMPT_TEXT] = ["a", "b"]
     td[schema.RESPONSE_TEXT] = ["hey!!", "no"]

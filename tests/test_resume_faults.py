@@ -351,7 +351,7 @@ def test_changed_settings_are_applied_and_listed_on_one_line(tmp_path, capsys):
     pipe.train()
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
     assert len(err) == 1 and "train.lr 0.001 -> 0.0005" in err[0]
-    assert "kl.coef 0.05 -> 0.2" in err[0]
+    assert "kl.coef 0.1 -> 0.2" in err[0]
     assert "run.steps" not in err[0]  # raising run.steps is what resume is for
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 3 and last["train/lr"] == 0.0005 and last["kl/coef"] == 0.2

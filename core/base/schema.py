@@ -56,7 +56,7 @@ STOP_REASONS = ("done", "max_turns", "length", "tool_error", "timeout")
 LOG_PROB = "log_prob"            # [b, R] float: log pi_theta(a_t|s_t) under the current weights (grad)
 ENTROPY = "entropy"              # [b, R] float: entropy of pi_theta(.|s_t) (grad)
 VALUE_PRED = "value_pred"        # [b, R] float: current critic V(s_t) (grad)
-NUM_TOKENS = "num_tokens"        # [b] float: response tokens in the whole minibatch (all ranks)
+NUM_TOKENS = "num_tokens"        # [b] float: action tokens (action_mask) in the whole minibatch (all ranks)
 NUM_SEQS = "num_seqs"            # [b] float: non-empty sequences in the whole minibatch (all ranks)
 
 # Expected (ndim, dtype kind) per key, for `validate`.

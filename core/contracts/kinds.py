@@ -257,7 +257,8 @@ def _checked(contract, label: str):
     return contract
 
 
-def advantage_contract(obj, args: dict | None = None, label: str | None = None) -> AdvantageContract:
+def advantage_contract(obj, args: dict | None = None,
+                       label: str | None = None) -> AdvantageContract:
     """The `AdvantageContract` that advantage ``obj`` (a class, a factory or an instance)
     declares for constructor arguments ``args``; `UNDECLARED` where it declares nothing. A
     contract that ``contract`` fails to give, or whose fields have the wrong type, is one line

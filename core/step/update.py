@@ -85,7 +85,7 @@ class Updater:
                     for micro in self._micro_batches(batch[idx.to(self.device)]):
                         with self.models.compute():  # per micro-batch: its cast of the weights
                             out = self._micro_step(micro)
-                        losses, metrics = micro_parts(out, need, float(micro[S.RESPONSE_MASK].sum()),
+                        losses, metrics = micro_parts(out, need, float(S.action_mask(micro).sum()),
                                                       float(len(micro)), who)
                         add_parts(parts, {**{k: [v] for k, v in losses.items()}, **metrics})
                     if self.ptx is not None and train_actor:
@@ -131,8 +131,8 @@ class Updater:
         each carrying the minibatch-wide ``num_tokens`` and ``num_seqs`` / world (FSDP averages
         the ranks' gradients, the losses want their sum)."""
         d, n = self.dist, mb.batch_size[0]
-        mb[S.NUM_TOKENS] = (mb[S.RESPONSE_MASK].sum().float() / d.world).expand(n)
-        mb[S.NUM_SEQS] = (mb[S.RESPONSE_MASK].any(-1).sum().float() / d.world).expand(n)
+        mb[S.NUM_TOKENS] = (S.action_mask(mb).sum().float() / d.world).expand(n)
+        mb[S.NUM_SEQS] = (S.action_mask(mb).any(-1).sum().float() / d.world).expand(n)
         local = mb[d.rank::d.world]
         if self.train.grad_accum > 1 and S.GROUP_ID in local.keys():  # a prompt's samples in the
             # same micro-batches share its tokens (core/models/prefix.py); the sum is the same
@@ -186,7 +186,7 @@ class Updater:
         if self.kl.loss_coef:  # kl.in: loss -- the KL penalty as a loss term
             if not self.contract.kl_term:  # the documented default: the trainer adds the term
                 out["loss_kl"] = self.kl.loss_term(td[S.LOG_PROB], td[S.REF_LOG_PROB],
-                                                   td[S.RESPONSE_MASK], td[S.NUM_TOKENS][0])
+                                                   S.action_mask(td), td[S.NUM_TOKENS][0])
             elif "loss_kl" not in terms:
                 raise UserError(f"{registry.label_of(self.loss)} declares kl_term but wrote no "
                                 f"loss_kl with kl.in: loss")

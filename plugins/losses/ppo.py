@@ -68,12 +68,19 @@ def ppo_value_loss(value_pred: torch.Tensor, old_value: torch.Tensor, value_targ
     """Per-token critic loss, ``max(f(v - target), f(v_clipped - target))`` with
     ``v_clipped = old + clamp(v - old, -value_clip, value_clip)`` (PPO2/TRL), or ``f(v - target)``
     when ``value_clip`` is None. ``f`` is ``x^2 / 2`` ("mse") or Huber with delta 1 ("huber").
-    Returns ``(loss, clipped)``, ``clipped`` true where the clipped term is the larger.
+    Returns ``(loss, clipped)``, ``clipped`` true where ``|v - old| > value_clip`` and the clipped
+    term is the larger. Inside the clip range ``old + (v - old)`` is ``v`` only up to float32
+    round-off, which must not count as clipping (it made ``value/clipfrac`` depend on the CPU):
 
     >>> loss, clipped = ppo_value_loss(torch.tensor([1.0]), torch.tensor([0.0]),
     ...                                torch.tensor([1.0]), value_clip=0.5)
     >>> loss.item(), clipped.item()
     (0.125, True)
+    >>> v, old = torch.tensor([-0.10615216940641403]), torch.tensor([0.08358846604824066])
+    >>> (old + (v - old)).item() == v.item()   # one ulp apart: the clipped term is larger
+    False
+    >>> ppo_value_loss(v, old, torch.tensor([-0.3]), value_clip=0.2)[1].item()
+    False
     """
     def f(pred):
         if kind == "huber":
@@ -83,8 +90,9 @@ def ppo_value_loss(value_pred: torch.Tensor, old_value: torch.Tensor, value_targ
     loss = f(value_pred)
     if value_clip is None:
         return loss, torch.zeros_like(loss, dtype=torch.bool)
-    clipped_loss = f(old_value + (value_pred - old_value).clamp(-value_clip, value_clip))
-    return torch.maximum(loss, clipped_loss), clipped_loss > loss
+    delta = value_pred - old_value
+    clipped_loss = f(old_value + delta.clamp(-value_clip, value_clip))
+    return torch.maximum(loss, clipped_loss), (clipped_loss > loss) & (delta.abs() > value_clip)
 
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str,
