@@ -27,7 +27,8 @@ FRACTIONS = ("policy/clipfrac", "value/clipfrac")
 
 
 def edges(log_ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """Tokens whose log-ratio lies within `EDGE` of ``log(1 - clip_low)`` or ``log(1 + clip_high)``."""
+    """Tokens whose log-ratio lies within `EDGE` of ``log(1 - clip_low)`` or
+    ``log(1 + clip_high)``."""
     return (((log_ratio - math.log1p(-clip_low)).abs() <= EDGE)
             | ((log_ratio - math.log1p(clip_high)).abs() <= EDGE))
 
@@ -46,7 +47,8 @@ def count_edges(monkeypatch) -> dict[str, int]:
     def policy_edges(log_prob, old_log_prob, advantage, *, clip_low, clip_high, **kw):
         near = edges((log_prob - old_log_prob).detach(), clip_low, clip_high)
         counts["policy/clipfrac"] += int(near.sum())
-        return policy(log_prob, old_log_prob, advantage, clip_low=clip_low, clip_high=clip_high, **kw)
+        return policy(log_prob, old_log_prob, advantage, clip_low=clip_low, clip_high=clip_high,
+                      **kw)
 
     def value_edges_(value_pred, old_value, value_target, *, value_clip=0.2, **kw):
         if value_clip is not None:
@@ -57,6 +59,14 @@ def count_edges(monkeypatch) -> dict[str, int]:
     monkeypatch.setattr(ppo, "ppo_policy_loss", policy_edges)
     monkeypatch.setattr(ppo, "ppo_value_loss", value_edges_)
     return counts
+
+
+def counted(counts: dict[str, int], fn, *args):
+    """``(fn(*args), {clip fraction: edge tokens counted while it ran})`` (``counts`` from
+    `count_edges`)."""
+    before = dict(counts)
+    out = fn(*args)
+    return out, {k: counts[k] - before[k] for k in counts}
 
 
 def tolerance(key: str, a: dict[str, int], b: dict[str, int], tokens: float) -> float:

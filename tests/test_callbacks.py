@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlpipe.core.base.errors import UserError
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.run.callbacks import Callback, Hooks, default_callbacks
 from rlpipe.core.run.pipeline import Pipeline, train
@@ -96,6 +97,7 @@ def test_a_failing_step_still_closes_every_callback(tmp_path):
     ended = Recorder()
     pipe = Pipeline(load_config(TINY, ["run.steps=2", f"run.output_dir={tmp_path}"]),
                     progress=False)
-    with pytest.raises(RuntimeError, match="boom"):
+    with pytest.raises(UserError, match="^callback Failing failed in on_step_end: RuntimeError: "
+                                        "boom$"):   # issue 54: the callback named, one line
         pipe.train(callbacks=[ended, Failing()])
     assert ended.seen[0] == "start" and ended.seen[-1] == "end"

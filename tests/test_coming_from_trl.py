@@ -96,8 +96,9 @@ def test_every_rlpipe_key_the_page_names_exists(section, tmp_path):
 
 
 def test_the_trl_defaults_config_is_trls_algorithm_and_runs_a_step(tmp_path, chat_model):  # noqa: F811
-    cfg = load_config(CONFIG, [f"models.actor.path={chat_model}", "eval.prompts=null", "eval.every=0",
-                               "collector.max_new_tokens=6", "collector.max_prompt_tokens=128",
+    cfg = load_config(CONFIG, [f"models.actor.path={chat_model}", "eval.prompts=null",
+                               "eval.every=0", "collector.max_new_tokens=6",
+                               "collector.max_prompt_tokens=128",
                                f"run.output_dir={tmp_path / 'run'}"])
     assert (cfg.train.epochs, cfg.train.minibatches, cfg.kl.coef) == (1, 1, 0)
     assert cfg.advantage.name == "grpo" and cfg.advantage.args["scale_std"] is True

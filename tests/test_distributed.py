@@ -56,7 +56,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RLPIPE_DEVICE": "cpu"}
 # `sitecustomize` on every run's PYTHONPATH) counts in each run, over all its steps and ranks.
 EDGE_HOOK = f"""import importlib.util, os
 from rlpipe.plugins.losses import ppo
-_spec = importlib.util.spec_from_file_location("clip_edges", {str(ROOT / "tests" / "clip_edges.py")!r})
+_spec = importlib.util.spec_from_file_location("clip_edges",
+                                               {str(ROOT / "tests" / "clip_edges.py")!r})
 _edges = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_edges)
 _policy, _value = ppo.ppo_policy_loss, ppo.ppo_value_loss
@@ -68,7 +69,8 @@ def _policy_edges(log_prob, old_log_prob, advantage, *, clip_low, clip_high, **k
     return _policy(log_prob, old_log_prob, advantage, clip_low=clip_low, clip_high=clip_high, **kw)
 def _value_edges(value_pred, old_value, value_target, *, value_clip=0.2, **kw):
     if value_clip is not None:
-        _count("value/clipfrac", _edges.value_edges(value_pred.detach(), old_value.detach(), value_clip))
+        _count("value/clipfrac",
+               _edges.value_edges(value_pred.detach(), old_value.detach(), value_clip))
     return _value(value_pred, old_value, value_target, value_clip=value_clip, **kw)
 ppo.ppo_policy_loss, ppo.ppo_value_loss = _policy_edges, _value_edges
 """

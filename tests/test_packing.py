@@ -20,6 +20,7 @@ from rlpipe.core.config.settings import load_config
 from rlpipe.core.models.lm import (ValueModel, enable_checkpointing, logprobs_and_values,
                                 response_logprobs, response_values)
 from rlpipe.core.run.pipeline import Pipeline
+from tests import clip_edges
 from tests.test_shared_prefix import TINY, assert_same_run, configs, padded_batch
 from tests.test_shared_prompts import shared_runs  # noqa: F401 (a fixture)
 
@@ -273,14 +274,15 @@ def test_a_model_whose_attention_is_not_causal_runs_padded(packed_runs):
     assert packed_runs == []
 
 
-def test_a_run_with_packed_rows_gives_the_same_metrics_and_weights(tmp_path, packed_runs):
-    runs = {}
+def test_a_run_with_packed_rows_gives_the_same_metrics_and_weights(tmp_path, packed_runs,
+                                                                   monkeypatch):
+    runs, edges, counts = {}, {}, clip_edges.count_edges(monkeypatch)
     for packed in (False, True):
         out = tmp_path / f"run_{packed}"
         cfg = load_config(TINY, [f"run.output_dir={out}", "run.steps=1",
                                  f"models.packed={str(packed).lower()}"])
-        Pipeline(cfg, progress=False).train()
+        _, edges[packed] = clip_edges.counted(counts, Pipeline(cfg, progress=False).train)
         runs[packed] = out
     # scoring (reference and critic) and the update (2 epochs x 2 minibatches, actor and critic)
     assert len(packed_runs) >= 2 + 2 * 2 * 2, packed_runs
-    assert_same_run(runs[False], runs[True])
+    assert_same_run(runs[False], runs[True], (edges[False], edges[True]))

@@ -11,6 +11,7 @@ from rlpipe.core.base import schema as S
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.models.lm import response_logprobs
 from rlpipe.core.run.pipeline import Pipeline, train
+from tests import clip_edges
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
@@ -60,8 +61,11 @@ def test_ratio_is_one_on_first_minibatch(tmp_path, temperature):
     mask = micro[S.RESPONSE_MASK]
     ratio = torch.exp(logp - micro[S.OLD_LOG_PROB])[mask]
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5)
-    # the reference starts as the actor: KL 0 on the first step
-    assert torch.allclose(batch[S.REF_LOG_PROB], batch[S.OLD_LOG_PROB], atol=1e-6)
+    # the reference starts as the actor: KL 0 on the first step, up to round-off: two float32
+    # log-probs (the sampling pass's and the reference's forward), each a log-softmax over the
+    # 1000-token vocabulary, so within 2 n u of each other (tests/clip_edges.py; 1.6e-6 seen on
+    # ATen's default kernels, where 1e-6 failed)
+    assert torch.allclose(batch[S.REF_LOG_PROB], batch[S.OLD_LOG_PROB], atol=clip_edges.EDGE)
 
 
 def test_first_response_token_logprob_matches_unpadded_forward(tmp_path):

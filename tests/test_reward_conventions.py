@@ -124,8 +124,8 @@ def test_peer_functions_run_unchanged_in_a_real_step(tmp_path):
 # --- what the run says, columns into parameters, near misses (issue 52) -------------------------
 def composed(*components, td):
     """The composer's score and parts for ``(label, weight, function or module)`` components."""
-    parts = [(label, w, wrap_reward_function(f)() if callable(f) and not isinstance(f, torch.nn.Module)
-              else f) for label, w, f in components]
+    parts = [(label, w, f if isinstance(f, torch.nn.Module) else wrap_reward_function(f)())
+             for label, w, f in components]
     return RewardComposer(parts)(td)
 
 
@@ -145,8 +145,9 @@ def test_one_line_per_reward_names_its_convention_and_columns():
 
 
 def answer_aligned(prompts, responses, answer=None, **batch):
-    return [float(r.strip() == str(answer if isinstance(answer, str) else a))
-            for r, a in zip(responses, answer if isinstance(answer, list) else [answer] * len(responses))]
+    """The issue's plugin: ``answer`` is the column (a list) or a config value (one string)."""
+    answers = answer if isinstance(answer, list) else [answer] * len(responses)
+    return [float(r.strip() == str(a)) for r, a in zip(responses, answers)]
 
 
 def test_a_setting_named_like_a_column_receives_the_column_unless_the_config_sets_it():
@@ -174,8 +175,9 @@ def test_columns_points_a_parameter_at_a_column_of_another_name():
                                         r"and columns maps it to the column 'solution'; keep one$"):
         wrap_reward_function(answer_aligned)(answer="4", columns={"answer": "solution"})
     with pytest.raises(UserError, match=r"^reward function compute_score: columns maps "
-                                        r"solution_str, which is not a parameter it reads a column "
-                                        r"into; parameters: data_source, ground_truth, extra_info$"):
+                                        r"solution_str, which is not a parameter it reads a "
+                                        r"column into; parameters: data_source, ground_truth, "
+                                        r"extra_info$"):
         Score(columns={"solution_str": "answer"})
     with pytest.raises(UserError, match=r"columns maps ground_truth to the column 'answer', which "
                                         r"the data does not have; columns: none$"):

@@ -164,7 +164,7 @@ def test_overwrite_replaces_only_an_rlpipe_run(world, harness):
     result = cli("run", world.config, f"run.output_dir={run_dir}", *FAST, "--overwrite")
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        rundir.MARKER, "config.yaml", "final", "metrics.jsonl", "samples"]
+        rundir.MARKER, "config.yaml", "final", "metrics.jsonl", "plan.json", "samples"]
     assert json.loads((run_dir / rundir.MARKER).read_text())["finished_step"] == 1
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
     after = {k: v for k, v in harness.snapshot(world.root).items() if not k.startswith("old_run")}

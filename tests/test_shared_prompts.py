@@ -20,6 +20,7 @@ from rlpipe.core.models import prefix
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.models.lm import ValueModel, logprobs_and_values, response_logprobs, response_values
 from rlpipe.core.run.pipeline import Pipeline
+from tests import clip_edges
 from tests.test_shared_prefix import (TINY, assert_rows_and_gradients_equal, assert_same_run,
                                       cache_arg, configs, padded_batch)
 
@@ -129,11 +130,14 @@ def grouped_run(tmp_path: Path, shared: bool) -> Path:
     return out
 
 
-def test_a_run_with_repeated_prompts_gives_the_same_metrics_and_weights(tmp_path, shared_runs):
-    runs = {s: grouped_run(tmp_path, s) for s in (False, True)}
+def test_a_run_with_repeated_prompts_gives_the_same_metrics_and_weights(tmp_path, shared_runs,
+                                                                        monkeypatch):
+    runs, edges, counts = {}, {}, clip_edges.count_edges(monkeypatch)
+    for s in (False, True):
+        runs[s], edges[s] = clip_edges.counted(counts, grouped_run, tmp_path, s)
     kinds = [kind for kind, _ in shared_runs]
     assert "prompts" in kinds and len(kinds) >= 2 + 2 * 2 * 2, kinds  # scoring and update
-    assert_same_run(runs[False], runs[True])
+    assert_same_run(runs[False], runs[True], (edges[False], edges[True]))
 
 
 @pytest.mark.parametrize("n", [1, 3])

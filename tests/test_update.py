@@ -286,13 +286,11 @@ def test_a_declared_kl_term_must_be_written(rollout):
 def test_explained_var_does_not_depend_on_the_micro_batch_split(tmp_path, monkeypatch):
     """1 and 3 micro-batches per minibatch give the same value/explained_var (pooled sums), as
     they give the same losses; a token-weighted mean of micro-batch values would not."""
-    got, edges = {}, {}
+    got, edges, counts = {}, {}, clip_edges.count_edges(monkeypatch)
     for accum in (1, 3):
         pipe = Pipeline(tiny(tmp_path / str(accum), f"train.grad_accum={accum}", "run.steps=1"),
                         progress=False)
-        monkeypatch.undo()  # each run counts its own edge tokens
-        edges[accum] = clip_edges.count_edges(monkeypatch)
-        got[accum] = pipe.step()[1]
+        (_, got[accum]), edges[accum] = clip_edges.counted(counts, pipe.step)
     cfg = pipe.cfg
     tokens = (cfg.data.batch_size * cfg.collector.args["n"] * cfg.train.epochs
               * got[1]["response/length"])

@@ -23,7 +23,6 @@ Budgets(prompt_tokens=232, new_tokens=24, context_tokens=256)
 from __future__ import annotations
 
 import enum
-import json
 import os
 import sys
 from collections.abc import Mapping
@@ -46,7 +45,6 @@ from rlpipe.core.contracts.kinds import (AdvantageContract, CollectorContract, L
                                          undeclared_notice)
 
 INPUTS = (S.PROMPT_IDS, S.PROMPT_MASK, S.RESPONSE_IDS, S.RESPONSE_MASK)
-VALUES = ("none", "forward", "critic", "rollout")  # where the rollout's value comes from
 _told: set[str] = set()  # lines said once per process (a config is planned at load and at build)
 
 
@@ -112,7 +110,7 @@ class RunPlan:
     loss_contract: LossContract
     kl: KLPlan
     scoring: Scoring
-    values: str                          # one of VALUES
+    values: str                          # none, forward, critic or rollout (`_values`)
     budgets: Budgets
     settled: bool = False                # `settle` has run: scoring and values are final
 
@@ -258,8 +256,3 @@ def settle(plan: RunPlan, cfg, models, plugins, dist) -> RunPlan:
     loss_contract = getattr(plugins.loss, "contract", None) or plan.loss_contract
     return replace(plan, scoring=scoring, values=values, loss_contract=loss_contract,
                    settled=True)
-
-
-def record(plan: RunPlan, path: Path) -> None:
-    """Write ``plan.to_dict()`` as JSON to ``path`` (the run directory's ``plan.json``)."""
-    path.write_text(json.dumps(plan.to_dict(), indent=1) + "\n", encoding="utf-8")

@@ -41,9 +41,9 @@ from rlpipe.core.base.errors import UserError, describe
 from rlpipe.core.contracts.reward_fn import wrap_reward_function
 from rlpipe.core.contracts.rule import Rule
 
-GROUPS = ("collectors", "rewards", "advantages", "losses", "health")
+GROUPS = ("collectors", "rewards", "advantages", "losses", "health", "environments")
 SINGULAR = {"collectors": "collector", "rewards": "reward", "advantages": "advantage",
-            "losses": "loss", "health": "health rule"}
+            "losses": "loss", "health": "health rule", "environments": "environment"}
 BUILTIN_DIST = "rlpipe"
 DISABLE_ENV = "RLPIPE_DISABLE_PLUGIN_AUTOLOAD"
 
@@ -138,8 +138,16 @@ def _check_health_rule(obj):
     return None
 
 
+def _check_environment(obj):
+    if not (inspect.isclass(obj) and callable(getattr(obj, "reset", None))
+            and callable(getattr(obj, "step", None))):
+        return f"expected a class with reset(row, seed) and step(action) methods, got {obj!r}"
+    return None
+
+
 _CHECKS = {"collectors": _check_collector, "rewards": _check_reward,
-           "advantages": _check_module_class, "losses": _check_loss, "health": _check_health_rule}
+           "advantages": _check_module_class, "losses": _check_loss, "health": _check_health_rule,
+           "environments": _check_environment}
 
 
 @functools.lru_cache(maxsize=None)

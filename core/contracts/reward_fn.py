@@ -163,7 +163,7 @@ class FunctionReward(nn.Module):
     fn = None              # the function (a staticmethod of the subclass)
     convention = "rlpipe"  # rlpipe, trl or verl (`reward_convention`)
     own = ()               # the convention's inputs that are not columns (prompts, solution_str)
-    named = ()             # its other named parameters: columns, or settings where they have a default
+    named = ()             # its other named parameters: columns, or settings (with a default)
     required = ()          # those without a default: columns it reads
     takes_any = False      # it takes ``**kwargs`` (rlpipe, TRL: every column reaches it)
     columns = ()           # the columns it reads without a mapping
@@ -171,7 +171,9 @@ class FunctionReward(nn.Module):
     def __init__(self, columns: dict | None = None, **kwargs):
         super().__init__()
         if "columns" in self.named:  # the function's own setting named columns: no mapping
-            kwargs, columns = ({**kwargs, "columns": columns} if columns is not None else kwargs), None
+            if columns is not None:
+                kwargs = {**kwargs, "columns": columns}
+            columns = None
         self.kwargs, self.warned = kwargs, set()
         self.columns = type(self).reads(columns or {})
         self.mapping = self._mapping(columns or {})
@@ -208,7 +210,8 @@ class FunctionReward(nn.Module):
         takes ``**kwargs``, else those named like a parameter), the mapped ones under their
         parameter; a setting the config sets keeps its value (one warning line)."""
         name, verl = self.fn.__name__, self.convention == "verl"
-        wanted = set(self.named) | ({"data_source", "ground_truth", "extra_info"} if verl else set())
+        wanted = set(self.named) | ({"data_source", "ground_truth", "extra_info"} if verl
+                                    else set())
         got = {c: v for c, v in columns.items()
                if c not in self.own and (c in wanted or (self.takes_any and not verl))}
         for param, column in self.mapping.items():

@@ -33,6 +33,29 @@ def to_float(value) -> float:
     return float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
 
 
+def metric_value(value) -> int | float | str:
+    """A value a metrics row can hold: an int, float or string as it is (a bool as 0/1), a
+    one-element tensor or a numpy scalar as its number; anything else is a `TypeError`.
+
+    >>> import numpy as np
+    >>> metric_value(torch.tensor(2.5)), metric_value(np.float32(0.5)), metric_value(True)
+    (2.5, 0.5, 1)
+    >>> metric_value(None)
+    Traceback (most recent call last):
+    TypeError: None (NoneType) is not a number, a string or a one-element tensor
+    """
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if type(value).__module__ == "numpy" and getattr(value, "size", 0) == 1:
+        return value.item()
+    raise TypeError(f"{str(value)[:60]} ({type(value).__name__}) is not a number, a string or a "
+                    f"one-element tensor")
+
+
 def flatten(td, prefix: str = "") -> dict[str, float]:
     """Nested TensorDict/dict of scalars -> ``{"a/b": float}``."""
     out = {}

@@ -12,7 +12,12 @@ A callback overrides any of three hooks; ``pipe`` is the running `rlpipe.Pipelin
 - ``on_train_end(pipe)``: always, also after an error (a writer closes its files).
 
 A callback stops the run by setting ``pipe.stopped_by`` to a reason (health does, for
-``health.stop_on``); the checkpoint callback then writes a checkpoint.
+``health.stop_on``); the checkpoint callback then writes a checkpoint. A callback adds entries
+and never changes or removes one already in the row (``step`` included) nor ``pipe.step_count``;
+a value it adds is a number, a string, a bool or a one-element tensor (made a number). Each of
+these, an exception inside a hook, or a callback object without the three hooks, is one
+`UserError` naming the callback; the run directory's lock is released and its newest checkpoint
+stays usable with ``--resume``.
 
 Your own loop, with rlpipe's files (a sketch; the tests run it on the tiny example):
 
@@ -27,12 +32,15 @@ Your own loop, with rlpipe's files (a sketch; the tests run it on the tiny examp
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 from rlpipe.core.base import schema as S
 from rlpipe.core.base.errors import UserError, option
+from rlpipe.core.contracts.registry import calling
 from rlpipe.core.observe import samples
 from rlpipe.core.observe.health import monitor_for
-from rlpipe.core.observe.metrics import MetricsWriter
+from rlpipe.core.observe.health.groups import identical_frac
+from rlpipe.core.observe.metrics import MetricsWriter, metric_value
 from rlpipe.core.run import preflight
 from rlpipe.core.step.evaluation import Evaluator
 
@@ -50,31 +58,119 @@ class Callback:
         pass
 
 
+HOOKS = {"on_train_start": 1, "on_step_end": 3, "on_train_end": 1}  # positional arguments
+
+
+def check_callbacks(callbacks) -> list:
+    """``callbacks`` as a list, each an object with the three hooks taking `HOOKS`' arguments;
+    anything else (a function, a class, one object not in a list, transformers' callbacks) is
+    one `UserError`.
+
+    >>> len(check_callbacks([Callback()]))
+    1
+    >>> check_callbacks(Callback())
+    Traceback (most recent call last):
+    rlpipe.core.base.errors.UserError: callbacks=Callback: expected a list of Callback objects, e.g. callbacks=[Callback()]
+    """
+    if not isinstance(callbacks, (list, tuple)):
+        raise UserError(f"callbacks={_name(callbacks)}: expected a list of Callback objects, "
+                        f"e.g. callbacks=[{_name(callbacks)}()]")
+    for callback in callbacks:
+        _check_one(callback)
+    return list(callbacks)
+
+
+def _name(obj) -> str:
+    return getattr(obj, "__qualname__", None) or type(obj).__qualname__
+
+
+def _check_one(callback) -> None:
+    name, kind = _name(callback), callback if inspect.isclass(callback) else type(callback)
+    if any(c.__module__.startswith("transformers") for c in inspect.getmro(kind)):
+        raise UserError(f"callback {name} is a transformers TrainerCallback, whose hooks rlpipe "
+                        f"does not call; subclass rlpipe.core.run.callbacks.Callback instead "
+                        f"(on_train_start(pipe), on_step_end(pipe, batch, metrics), "
+                        f"on_train_end(pipe))")
+    if inspect.isclass(callback) or inspect.isroutine(callback):
+        what = "a class" if inspect.isclass(callback) else "a function"
+        raise UserError(f"callback {name} is {what}; give an object: a Callback subclass's "
+                        f"instance, e.g. callbacks=[{name}()]" if what == "a class" else
+                        f"callback {name} is {what}; give an object with on_train_start(pipe), "
+                        f"on_step_end(pipe, batch, metrics), on_train_end(pipe) (subclass "
+                        f"rlpipe.core.run.callbacks.Callback)")
+    for hook, count in HOOKS.items():
+        method = getattr(callback, hook, None)
+        try:
+            inspect.signature(method).bind(*range(count))
+        except (TypeError, ValueError):
+            raise UserError(f"callback {name}: {hook} must take {count} argument(s) "
+                            f"({'pipe, batch, metrics' if count == 3 else 'pipe'}); subclass "
+                            f"rlpipe.core.run.callbacks.Callback") from None
+
+
 class Hooks:
     """``callbacks`` around a loop over ``pipe``'s steps: ``with Hooks(pipe, callbacks) as hooks``
     calls each ``on_train_start`` in order, `step_end` each ``on_step_end`` in order, and leaving
-    the block each ``on_train_end`` in reverse order, whatever happened."""
+    the block each ``on_train_end`` in reverse order, whatever happened; leaving it on an error
+    releases the run directory's lock (``pipe.lock``). Each hook runs as plugin code (an
+    exception in it is one `UserError` naming the callback), and `step_end` keeps the rules of
+    the module's docstring."""
 
     def __init__(self, pipe, callbacks: list):
-        self.pipe, self.callbacks = pipe, list(callbacks)
+        self.pipe, self.callbacks = pipe, check_callbacks(callbacks)
 
     def __enter__(self) -> Hooks:
         self._stack = contextlib.ExitStack()
         with self._stack as stack:
+            stack.callback(self._release_on_error)
             for callback in self.callbacks:
-                callback.on_train_start(self.pipe)
-                stack.callback(callback.on_train_end, self.pipe)
+                self._call(callback, "on_train_start")
+                stack.callback(self._call, callback, "on_train_end")
             self._stack = stack.pop_all()
         return self
+
+    def _call(self, callback, hook: str, *args) -> None:
+        with calling(f"callback {_name(callback)}", hook):
+            getattr(callback, hook)(self.pipe, *args)
 
     def step_end(self, batch, metrics: dict) -> dict:
         """Every callback's ``on_step_end``; the row as the last one left it."""
         for callback in self.callbacks:
-            callback.on_step_end(self.pipe, batch, metrics)
+            before, count = dict(metrics), self.pipe.step_count
+            self._call(callback, "on_step_end", batch, metrics)
+            _check_row(_name(callback), before, metrics)
+            if self.pipe.step_count != count:
+                raise UserError(f"callback {_name(callback)} changed pipe.step_count ({count} -> "
+                                f"{self.pipe.step_count}); a callback stops a run by setting "
+                                f"pipe.stopped_by")
         return metrics
 
-    def __exit__(self, *exc) -> None:
+    def _release_on_error(self) -> None:
+        lock = getattr(self.pipe, "lock", None)
+        if self._failed and lock is not None:
+            lock.release()
+
+    _failed = True  # until the block ends without an exception
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self._failed = exc_type is not None
         self._stack.close()
+
+
+def _check_row(name: str, before: dict, metrics: dict) -> None:
+    """The row after callback ``name``: ``before``'s entries unchanged, each new value a number
+    (`metric_value`), else one `UserError` naming the callback."""
+    changed = [k for k in before if k not in metrics or metrics[k] is not before[k]]
+    if changed:
+        raise UserError(f"callback {name} changed or removed metrics[{changed[0]!r}]; a callback "
+                        f"adds entries under new names (e.g. 'custom/...')")
+    for key in [k for k in metrics if k not in before]:
+        try:
+            if not isinstance(key, str):
+                raise TypeError(f"the name {key!r} is not a string")
+            metrics[key] = metric_value(metrics[key])
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"callback {name} added metrics[{key!r}]: {exc}") from None
 
 
 class Preflight(Callback):
@@ -112,6 +208,9 @@ class Health(Callback):
     def on_step_end(self, pipe, batch, metrics: dict) -> None:
         if batch is None:
             return
+        if S.GROUP_ID in batch.keys():  # one response n times: flat_groups says so at once
+            metrics.update(identical_frac(batch[S.RESPONSE_IDS], batch[S.RESPONSE_MASK],
+                                          batch[S.GROUP_ID]))
         if pipe.dist.is_main:
             self.monitor.observe(metrics)  # adds health/<rule> = 1 for the rules that hold
         stop_on = sorted(pipe.cfg.health.stop_on)
@@ -179,6 +278,12 @@ def default_callbacks(pipe, extra: list | tuple = ()) -> list[Callback]:
     """What `Pipeline.train` runs, in order: the preflight (``run.preflight``), evaluation (with
     ``eval.prompts``), health, then ``extra`` (your callbacks: a metric they add is written, a stop
     they set is checkpointed), the metrics and samples writer, checkpoints."""
+    try:
+        extra = check_callbacks(extra)
+    except UserError:
+        if getattr(pipe, "lock", None) is not None:  # `train` ends here: the run is not in use
+            pipe.lock.release()
+        raise
     return [*([Preflight()] if pipe.cfg.run.preflight else []),
             *([Evaluation(pipe.evaluator)] if pipe.evaluator is not None else []),
             Health(), *extra, MetricsLog(), Checkpoints()]

@@ -103,9 +103,17 @@ def _discard(path: Path) -> None:
 
 
 def io_failure(exc: BaseException) -> bool:
+    """An error of a write: an `OSError`, or one a writer wrapped in its own type (torch's zip
+    writer reports a full disk as ``RuntimeError: ... unexpected pos N vs M``, safetensors as
+    ``IoError(Os { code: 28, kind: StorageFull ...``).
+
+    >>> io_failure(RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0"))
+    True
+    """
     text = str(exc).lower()
     return isinstance(exc, OSError) or any(s in text for s in (
-        "no space", "quota", "os error", "ioerror", "write failed", "storagefull"))
+        "no space", "quota", "os error", "ioerror", "write failed", "storagefull",
+        "unexpected pos", "failed writing", "permission denied", "read-only file system"))
 
 
 def save(run_dir: Path, step: int, weights: dict, state: dict, keep: int, extra=None) -> Path:
@@ -115,9 +123,9 @@ def save(run_dir: Path, step: int, weights: dict, state: dict, keep: int, extra=
     _clear_leftovers(root)
     try:
         _write(tmp, step, weights, state, extra)
+        return _publish(run_dir, tmp, final, keep)
     except Exception as exc:
         raise _write_error(exc, run_dir, tmp, final) from exc
-    return _publish(run_dir, tmp, final, keep)
 
 
 def save_sharded(run_dir: Path, step: int, shards: dict, state: dict, keep: int, dist) -> Path:
@@ -142,9 +150,12 @@ def save_sharded(run_dir: Path, step: int, shards: dict, state: dict, keep: int,
     except Exception as exc:  # noqa: BLE001 - reported below, on rank 0
         failure = exc
     if dist.is_main:
-        if failure is not None:
-            raise _write_error(failure, run_dir, tmp, final) from failure
-        _publish(run_dir, tmp, final, keep)
+        try:
+            if failure is not None:
+                raise failure
+            _publish(run_dir, tmp, final, keep)
+        except Exception as exc:  # noqa: BLE001 - a write error is one line
+            raise _write_error(exc, run_dir, tmp, final) from exc
     elif failure is not None and not io_failure(failure):
         raise failure
     dist.barrier()

@@ -62,7 +62,7 @@ def launch(argv: list[str], d) -> int:
     logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # its failure report is a page
     if d.nnodes > 1:
         click.echo(f"rlpipe: waiting up to distributed.timeout_s={d.timeout_s:g} s for "
-                   f"{d.nnodes} nodes to join at {d.rdzv_endpoint}", err=True)
+                   f"{d.nnodes} nodes to join at {d.rdzv_endpoint} (Ctrl-C stops)", err=True)
     try:
         run(args)
         return 0

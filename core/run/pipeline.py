@@ -19,6 +19,7 @@ One PPO step of the tiny example (a few seconds on CPU):
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import tempfile
@@ -40,7 +41,7 @@ from rlpipe.core.step import critic_pretrain, kl
 from rlpipe.core.base import schema
 from rlpipe.core.step import rollout_correction as correction
 from rlpipe.core.config.settings import Config, load_config
-from rlpipe.core.config.plan import INPUTS, RunPlan, Scoring, plan_run, record, settle
+from rlpipe.core.config.plan import INPUTS, RunPlan, Scoring, plan_run, settle
 from rlpipe.core.contracts.collector import close_collector
 from rlpipe.core.models.critic_start import CriticWarmup
 from rlpipe.core.data.streams import PromptStream
@@ -119,7 +120,7 @@ class Pipeline(RunState):
                             "rollout_correction.old_log_prob)")
         if self.dist.is_main:
             with writing(self.run_dir, "plan.json"):
-                record(plan, self.run_dir / "plan.json")
+                (self.run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         return plan
 
     def _evaluator(self) -> Evaluator | None:

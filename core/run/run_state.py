@@ -160,6 +160,11 @@ class RunState:
             print(f"warning: no checkpoint in {self.run_dir / 'checkpoints'} (checkpoint.every: "
                   f"{self.cfg.checkpoint.every}); starting again at step 1, without the metric "
                   f"rows written so far", file=sys.stderr)
+        pretrain = sorted(k for k in changes if k.startswith("train.critic_pretrain_"))
+        if path is not None and pretrain:
+            raise UserError(f"{', '.join(pretrain)}: critic pretraining runs only before step 1, "
+                            f"and {path.name} is past it, so the change would do nothing; "
+                            f"restore it, or start a new run with {option('overwrite')}")
         if path is not None:
             state = self._load_checkpoint(path)
             if int(state["step"]) > self.cfg.run.steps:
@@ -169,7 +174,12 @@ class RunState:
             # the engine started from the actor's weights before they were restored
             registry.call(self.plugins.collector.sync_weights, self.models.actor)
         if self.dist.is_main:
-            keep_steps(self.run_dir / "metrics.jsonl", self.step_count)
+            if path is not None and not metrics.is_file():
+                print(f"warning: {metrics} is missing: the rows of steps 1-{self.step_count} are "
+                      f"lost; resuming from {path.name}, rows from step {self.step_count + 1} "
+                      f"on", file=sys.stderr)
+            # from step 0 (no checkpoint) every row is written again, evaluation's step 0 too
+            keep_steps(metrics, self.step_count if path is not None else -1)
             save_config(self.cfg, self.run_dir / "config.yaml")
         self.dist.barrier()
 

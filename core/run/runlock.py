@@ -3,18 +3,21 @@
 `rlpipe run` (also ``--resume`` and ``--overwrite``) holds it exclusively from before it looks
 at the directory until it ends, `rlpipe export` holds it shared; the OS drops it when the
 process ends, however it ends, so a killed run never leaves a stale lock (its file may stay: a
-name `rlpipe.core.run.rundir` accepts as rlpipe's own). A second process is refused on one line
-naming the holder's pid.
+name `rlpipe.core.run.rundir` accepts as rlpipe's own). The lock belongs to the run: `train`
+releases it when it returns or raises (a notebook's kernel that lives on holds nothing). A
+second process is refused on one line naming the holder's pid. The lock file is never opened
+through a symbolic link; a read-only folder is read (export) without a lock.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import time
 from pathlib import Path
 
-from rlpipe.core.base.errors import UserError
+from rlpipe.core.base.errors import WRITE_ERRNOS, UserError
 
 LOCK = ".rlpipe-lock"
 
@@ -28,12 +31,12 @@ class Held:
         self.file, self.path = file, path
 
     def release(self) -> None:
-        if self.file.closed:
+        if self.file is None or self.file.closed:
             return
         try:  # the last holder (a shared one may not be) deletes the file, then unlocks
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self.path.unlink(missing_ok=True)
-        except BlockingIOError:
+        except OSError:  # another holder, or a read-only folder
             pass
         self.file.close()  # closing the descriptor drops the lock
 
@@ -58,7 +61,9 @@ def hold(out: Path, key: str, shared: bool = False) -> Held:
         _HELD.pop(out).release()
     path = out / LOCK
     while True:
-        file = open(path, "a+", encoding="utf-8")
+        file = _open(path, key, shared)
+        if file is None:  # a read-only folder, read by export: no run can write it meanwhile
+            return Held(None, path)
         try:
             fcntl.flock(file, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -78,6 +83,28 @@ def hold(out: Path, key: str, shared: bool = False) -> Held:
         file.flush()
     _HELD[out] = Held(file, path)
     return _HELD[out]
+
+
+def _open(path: Path, key: str, shared: bool):
+    """``path`` opened to lock, never through a symbolic link (a link there is one `UserError`:
+    its target, a user's file, is never truncated); ``shared`` in a folder this process cannot
+    write: read-only, or None where there is no lock file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if path.is_symlink():
+            raise UserError(f"{key}: {path} is a symbolic link, not rlpipe's lock file; remove "
+                            f"the link (its target is left alone)") from None
+        if not shared or exc.errno not in WRITE_ERRNOS:
+            raise
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"{key}: {path} is not rlpipe's lock file; remove it")
+    return os.fdopen(fd, "r" if shared else "r+", encoding="utf-8")
 
 
 _HELD: dict[Path, Held] = {}

@@ -39,6 +39,7 @@ tensor([[0., 2., 0.],
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -109,20 +110,80 @@ def regress(critic, optimizer, batch: TensorDict, size: int, epochs: int,
     return sums
 
 
+MAX_ROUNDS = 1000      # collection rounds at most (a typo of critic_pretrain_rollouts stops here)
+MAX_SECONDS = 3600.0   # and at most this long
+PROGRESS_S = 30.0      # a long collection says how far it got this often
+
+
+def check_settings(train) -> None:
+    """``train.critic_pretrain_epochs`` changed without ``critic_pretrain_rollouts`` (nothing to
+    pretrain on: the setting would do nothing) is one `UserError`.
+
+    >>> from types import SimpleNamespace as NS
+    >>> check_settings(NS(critic_pretrain_rollouts=0, critic_pretrain_epochs=3))
+    >>> check_settings(NS(critic_pretrain_rollouts=0, critic_pretrain_epochs=5))
+    Traceback (most recent call last):
+    rlpipe.core.base.errors.UserError: train.critic_pretrain_epochs: 5 passes over no rollouts: critic pretraining runs only with train.critic_pretrain_rollouts > 0 (e.g. 96); set it, or leave critic_pretrain_epochs out
+    """
+    if not train.critic_pretrain_rollouts and train.critic_pretrain_epochs != DEFAULT_EPOCHS:
+        raise UserError(f"train.critic_pretrain_epochs: {train.critic_pretrain_epochs} passes over "
+                        f"no rollouts: critic pretraining runs only with "
+                        f"train.critic_pretrain_rollouts > 0 (e.g. 96); set it, or leave "
+                        f"critic_pretrain_epochs out")
+
+
+DEFAULT_EPOCHS = 3   # settings' default of train.critic_pretrain_epochs
+
+
+def check_weights(scorer: RewardComposer) -> None:
+    """The rewards that score prefixes, all at weight 0, would pretrain on all-zero targets:
+    one `UserError`."""
+    if not any(float(w) != 0 for w in scorer.weights):
+        raise UserError(f"train.critic_pretrain_rollouts: the rewards that score partial "
+                        f"responses ({', '.join(scorer.labels)}) have weight 0, so every target "
+                        f"would be 0; give one a weight, or set critic_pretrain_rollouts to 0")
+
+
+def collect_rounds(collect, rounds: int, target, echo, dist) -> list[TensorDict]:
+    """``collect()`` (each batch given its ``target``) ``rounds`` times, at most `MAX_ROUNDS`
+    and `MAX_SECONDS` (every rank agrees), with a progress line every `PROGRESS_S` seconds and
+    one when a cap ends it."""
+    t0 = said = time.monotonic()
+    parts = []
+    for i in range(rounds):
+        over = time.monotonic() - t0 > MAX_SECONDS
+        if dist.enabled:
+            over = dist.mean({"over": float(over)})["over"] > 0
+        if i >= MAX_ROUNDS or over:
+            echo(f"warning: critic pretraining stopped collecting at {i} of {rounds} rounds "
+                 f"({MAX_ROUNDS} rounds or {MAX_SECONDS:.0f} s at most); train.critic_"
+                 f"pretrain_rollouts asks for more (a typo?); pretraining on those collected")
+            break
+        td = collect()
+        td[S.VALUE_TARGET] = target(td)
+        parts.append(td.select(*INPUTS, S.VALUE_TARGET, S.PROMPT_TEXT, S.GROUP_ID))
+        if time.monotonic() - said >= PROGRESS_S:
+            said = time.monotonic()
+            echo(f"rlpipe: critic pretraining: {i + 1} of {rounds} rounds collected "
+                 f"({said - t0:.0f} s)")
+    return parts
+
+
 def pretrain(train, collect, rounds: int, critic, optimizer, rewards: RewardComposer, tokenizer,
              size: int, seed: int, dist) -> str:
-    """``rounds`` batches of the run's collector (``collect()``, this rank's share), their
-    prefixes scored (`prefix_targets`), gathered from every rank and cut to
-    ``train.critic_pretrain_rollouts``; then `regress` for ``train.critic_pretrain_epochs``
-    passes. Returns what it cost and what it reached, in words."""
-    t0, scorer, parts = time.perf_counter(), prefix_scorer(rewards), []
+    """``rounds`` batches of the run's collector (``collect()``, this rank's share; bounded by
+    `collect_rounds`), their prefixes scored (`prefix_targets`), gathered from every rank and
+    cut to ``train.critic_pretrain_rollouts``; then `regress` for
+    ``train.critic_pretrain_epochs`` passes. Returns what it cost and what it reached, in words."""
+    t0, scorer = time.perf_counter(), prefix_scorer(rewards)
     if not scorer.labels:
         raise UserError(f"train.critic_pretrain_rollouts: none of the rewards ({', '.join(rewards.labels)}) "
                         f"scores partial responses (declares scores_prefixes, as reward_model does)")
-    for _ in range(rounds):
-        td = collect()
-        td[S.VALUE_TARGET] = prefix_targets(td, scorer, tokenizer)
-        parts.append(td.select(*INPUTS, S.VALUE_TARGET, S.PROMPT_TEXT, S.GROUP_ID))
+    check_weights(scorer)
+    echo = (lambda line: print(line, file=sys.stderr, flush=True)) if dist.is_main else \
+        (lambda line: None)
+    parts = collect_rounds(collect, rounds, lambda td: prefix_targets(td, scorer, tokenizer),
+                           echo, dist)
     batch = dist.gather(concat_rounds(parts))[:train.critic_pretrain_rollouts]
     t1 = time.perf_counter()
     sums = regress(critic, optimizer, batch, size, train.critic_pretrain_epochs,

@@ -3,6 +3,9 @@ has a group-relative advantage of 0 and teaches nothing, so it is dropped, and m
 collected until the step holds ``data.batch_size`` groups that do carry a signal
 (``data.dynamic_sampling``: ``enabled``, ``max_rounds`` extra collection rounds at most; then the
 batch is topped up with flat groups, oldest first, so that every step has the same size).
+The extra rounds of a step also stop after `MAX_SECONDS`; a collection that goes on says how far
+it got every `PROGRESS_S` seconds, and a cap that is hit says so (a constant reward makes every
+group flat: without the line, a large ``max_rounds`` collects for hours in silence).
 
 `GroupFilter` takes the scored rounds one by one and returns the step's batch:
 
@@ -24,6 +27,9 @@ False
 
 from __future__ import annotations
 
+import sys
+import time
+
 import torch
 from tensordict import TensorDict
 
@@ -31,6 +37,9 @@ from rlpipe.core.base import schema as S
 from rlpipe.core.observe.samples import flat_groups
 
 _PROMPT_KEYS = (S.PROMPT_IDS, S.PROMPT_MASK)
+MAX_SECONDS = 900.0   # the extra rounds of one step stop after this long (then topped up)
+PROGRESS_S = 30.0     # a long collection says how far it got this often
+_SAID: set[str] = set()  # the rounds cap is said once per process (the metrics say the rest)
 
 
 class GroupFilter:
@@ -39,17 +48,23 @@ class GroupFilter:
     Args:
         groups: the groups a step trains on (``data.batch_size``).
         max_rounds: extra rounds at most after the first.
+        max_seconds: extra rounds stop once the step's collection took this long (default
+            `MAX_SECONDS`).
+        dist: the run's `Dist`: every rank agrees on the time cap, the main one prints.
     """
 
-    def __init__(self, groups: int, max_rounds: int):
-        self.groups, self.max_rounds = groups, max_rounds
+    def __init__(self, groups: int, max_rounds: int, max_seconds: float | None = None,
+                 dist=None):
+        self.groups, self.max_rounds, self.dist = groups, max_rounds, dist
+        self.max_seconds = MAX_SECONDS if max_seconds is None else max_seconds
         self.kept: list[TensorDict] = []   # per round, the samples of its groups with a signal
         self.flat: list[TensorDict] = []   # per round, the samples of its flat groups
         self.n_kept = self.n_flat = self.rounds = 0
+        self.start = self.said = time.monotonic()
 
     def add(self, batch: TensorDict) -> bool:
         """Sort one scored round's groups; True while another round is wanted (not full, and
-        the cap on extra rounds not reached)."""
+        neither cap, extra rounds or time, reached)."""
         batch = batch.clone(False)  # the group ids are renumbered on a copy
         _, member = torch.unique(batch[S.GROUP_ID], return_inverse=True)
         batch[S.GROUP_ID] = member + self._next_id()
@@ -59,7 +74,42 @@ class GroupFilter:
                 parts.append(batch[rows.nonzero().squeeze(1).to(batch.device)])
         self.n_kept, self.n_flat = _count_groups(self.kept), _count_groups(self.flat)
         self.rounds += 1
-        return self.n_kept < self.groups and self.rounds <= self.max_rounds
+        if self.n_kept >= self.groups:
+            return False
+        if self.rounds > self.max_rounds:
+            if "rounds" not in _SAID:
+                _SAID.add("rounds")
+                self._say(f"the cap of data.dynamic_sampling.max_rounds ({self.max_rounds}) "
+                          f"(said once)")
+            return False
+        elapsed = time.monotonic() - self.start
+        if self._agreed(elapsed > self.max_seconds):
+            self._say(f"the cap of {self.max_seconds:.0f} s of collection per step")
+            return False
+        if time.monotonic() - self.said >= PROGRESS_S:
+            self.said = time.monotonic()
+            self._print(f"rlpipe: dynamic sampling: {self.n_kept} of {self.groups} groups with a "
+                        f"reward signal after {self.rounds} rounds ({elapsed:.0f} s; "
+                        f"{self.n_flat} flat groups dropped), collecting again")
+        return True
+
+    def _agreed(self, flag: bool) -> bool:
+        """``flag`` on any rank (the time cap: each rank's clock differs)."""
+        if self.dist is not None and self.dist.enabled:
+            return self.dist.mean({"over": float(flag)})["over"] > 0
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return False   # no `dist` to agree with: the rounds cap alone
+        return flag
+
+    def _say(self, cap: str) -> None:
+        self._print(f"warning: dynamic sampling stopped at {cap}: {self.n_kept} of "
+                    f"{self.groups} groups had a reward signal after {self.rounds - 1} extra "
+                    f"rounds; the step is topped up with flat groups (samples that all scored "
+                    f"the same: is the reward constant?)")
+
+    def _print(self, line: str) -> None:
+        if self.dist is None or self.dist.is_main:
+            print(line, file=sys.stderr, flush=True)
 
     def _next_id(self) -> int:
         """The first group id not used by an earlier round."""

@@ -143,6 +143,18 @@ class AdaptiveKLController:
     """
 
     def __init__(self, init_coef: float, target: float, horizon: float):
+        """A coefficient of 0 is refused: the controller multiplies it, so it would stay 0 (no
+        KL penalty at all, whatever the KL).
+
+        >>> AdaptiveKLController(init_coef=0.0, target=0.1, horizon=10_000)
+        Traceback (most recent call last):
+        rlpipe.core.base.errors.UserError: kl.coef: 0 with kl.target: 0.1: the adaptive controller multiplies the coefficient, so it would stay 0 and the KL never be penalised; set kl.coef > 0 (the starting value, e.g. 0.05), or kl.target: null for no KL penalty
+        """
+        if init_coef == 0 and target is not None and target > 0:
+            raise UserError(f"kl.coef: 0 with kl.target: {target:g}: the adaptive controller "
+                            f"multiplies the coefficient, so it would stay 0 and the KL never be "
+                            f"penalised; set kl.coef > 0 (the starting value, e.g. 0.05), or "
+                            f"kl.target: null for no KL penalty")
         if not (init_coef >= 0 and target > 0 and horizon > 0):
             raise UserError("adaptive KL controller needs init_coef >= 0, target > 0 and "
                             f"horizon > 0, got {init_coef!r}, {target!r}, {horizon!r}")

@@ -108,8 +108,10 @@ class RewardComposer(nn.Module):
                             f"[B] scores and writes nothing (the composer owns the batch)")
         out = dict(out) if isinstance(out, dict) else {"score": out}
         applies = out.pop("applies", None)
-        applies = (torch.ones(td.batch_size[0], dtype=torch.bool, device=device) if applies is None
-                   else self._checked(f"{label}/applies", applies, td, origin).to(device, torch.bool))
+        if applies is None:
+            applies = torch.ones(td.batch_size[0], dtype=torch.bool, device=device)
+        else:
+            applies = self._checked(f"{label}/applies", applies, td, origin).to(device, torch.bool)
         parts = {k: self._checked(label if k == "score" else f"{label}/{k}", v, td, origin,
                                   applies).to(device, torch.float32) for k, v in out.items()}
         if "score" not in parts:

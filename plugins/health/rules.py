@@ -297,22 +297,31 @@ class NanSkips(Rule):
 class FlatGroups(Rule):
     """More than ``threshold`` of the groups (the samples of one prompt) scored all their samples
     the same, on average over the last ``window`` steps: a group-relative advantage (grpo, rloo)
-    is 0 for them, and those prompts teach nothing.
+    is 0 for them, and those prompts teach nothing. Groups whose samples are one and the same
+    response (``response/identical_frac``: temperature 0) are said at once, from step 1.
 
     >>> from rlpipe.core.contracts.rule import History
     >>> FlatGroups().check(History([{"step": s, "reward/zero_std_frac": 0.9} for s in (1, 2, 3)]))
     'reward/zero_std_frac 0.9 (mean of steps 1-3) > 0.5: most groups carry no reward signal'
+    >>> FlatGroups().check(History([{"step": 1, "response/identical_frac": 1.0}]))
+    'response/identical_frac 1 at step 1 > 0.5: most groups sampled one response n times (collector.temperature 0?), so they carry no reward signal'
     """
 
     window: int = num(3, "in [1, 1000]")
     threshold: float = num(0.5, "in [0, 1)")
-    reads = ("reward/zero_std_frac",)
+    reads = ("reward/zero_std_frac", "response/identical_frac")
     panel = "reward"
     remedy = ("most prompts get the same score for every sample: make the reward graded "
-              "(partial credit), raise collector.n or collector.temperature, use prompts the "
-              "policy solves sometimes (not always or never)")
+              "(partial credit), raise collector.n or collector.temperature (above 0: at 0 "
+              "every sample of a prompt is the same response), use prompts the policy solves "
+              "sometimes (not always or never)")
 
     def check(self, h: History) -> str | None:
+        same = h.latest.get("response/identical_frac")
+        if finite(same) and same > self.threshold:
+            return (f"response/identical_frac {same:.3g} at step {h.step} > {self.threshold:g}: "
+                    f"most groups sampled one response n times (collector.temperature 0?), so "
+                    f"they carry no reward signal")
         flat = h.last("reward/zero_std_frac", self.window)
         if len(flat) == self.window and finite(h.latest.get("reward/zero_std_frac")) \
                 and mean(flat) > self.threshold:
