@@ -29,9 +29,20 @@ COLUMNS = ("reward/score", "kl/ref", "eval/score")  # the table's final values
 
 
 def _names(run_dirs: list[Path]) -> list[str]:
-    """Each run's folder name, with its parent where two names are equal."""
-    names = [p.name for p in run_dirs]
-    return [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in run_dirs]
+    """Each run's shortest trailing part of its path that no other run ends with: its folder
+    name, with as many parents as tell it apart.
+
+    >>> _names([Path("/r/one/seed/run"), Path("/r/two/seed/run"), Path("/r/b")])
+    ['one/seed/run', 'two/seed/run', 'b']
+    """
+    parts = [Path(p).resolve().parts for p in run_dirs]
+
+    def name(i: int) -> str:
+        for k in range(1, len(parts[i]) + 1):
+            if not any(j != i and other[-k:] == parts[i][-k:] for j, other in enumerate(parts)):
+                return str(Path(*parts[i][-k:]))
+        return str(Path(*parts[i]))
+    return [name(i) for i in range(len(parts))]
 
 
 def compare_summary(run_dirs: list[Path]) -> str:

@@ -48,7 +48,7 @@ from rlpipe.core.observe.health import load_rules
 from rlpipe.core.observe.metrics import check_trackers
 
 PLUGIN_GROUPS = {"collector": "collectors", "advantage": "advantages", "loss": "losses",
-                 "rewards": "rewards"}
+                 "rewards": "rewards", "environment": "environments"}
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):([0-9]{1,5})")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions")
 
@@ -59,7 +59,8 @@ def check_config(cfg, conv) -> None:
     cfg.eval.prompts = data_source(cfg.eval.prompts, conv, "eval.prompts")
     for key, group in PLUGIN_GROUPS.items():
         sections = getattr(cfg, key)
-        for i, section in enumerate(sections if isinstance(sections, list) else [sections]):
+        for i, section in enumerate(sections if isinstance(sections, list) else
+                                    [sections] if sections is not None else []):
             check_plugin_args(section, f"{key}.{i}" if key == "rewards" else key, group, conv)
     labels = [r.key for r in cfg.rewards]  # none: `Pipeline(rewards=...)` must give them
     if len(set(labels)) != len(labels):

@@ -167,10 +167,11 @@ def _reward_sections(rewards) -> list:
     return sections
 
 
-def apply(cfg, collector=None, rewards=None, advantage=None, loss=None):
+def apply(cfg, collector=None, rewards=None, advantage=None, loss=None, environment=None):
     """A copy of ``cfg`` whose sections are replaced by the stage objects given (None: the
     config's section); a `UserError` for an object of the wrong shape, or no reward at all."""
-    given = {"collector": collector, "advantage": advantage, "loss": loss}
+    given = {"collector": collector, "advantage": advantage, "loss": loss,
+             "environment": environment}
     changes = {key: stage_section(PLUGIN_GROUPS[key], obj, key)
                for key, obj in given.items() if obj is not None}
     if rewards is not None:
@@ -190,7 +191,7 @@ def _sections(cfg):
         value = getattr(cfg, key)
         if isinstance(value, list):
             yield from ((f"{key}.{i}", group, s) for i, s in enumerate(value))
-        else:
+        elif value is not None:
             yield key, group, value
 
 

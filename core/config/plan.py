@@ -38,8 +38,10 @@ from rlpipe.core.config import checks
 from rlpipe.core.config.checks import resolve_plugin
 from rlpipe.core.config.kl_placement import check_placement, resolve_placement
 from rlpipe.core.contracts import references, registry
+from rlpipe.core.contracts import environment as env_contract
 from rlpipe.core.contracts.collector import (contract_of, request_actor_log_prob,
                                              request_hidden)
+from rlpipe.core.contracts.environment import EnvironmentContract
 from rlpipe.core.contracts.kinds import (AdvantageContract, CollectorContract, LossContract,
                                          RewardContract, advantage_contract, reward_contract,
                                          undeclared_notice)
@@ -113,23 +115,29 @@ class RunPlan:
     values: str                          # none, forward, critic or rollout (`_values`)
     budgets: Budgets
     settled: bool = False                # `settle` has run: scoring and values are final
+    environment: Stage | None = None     # multi-turn: the environment answering each turn
+    environment_contract: EnvironmentContract | None = None
 
     @property
     def collected(self) -> tuple[str, ...]:
         """The keys every collected batch must hold."""
         return (*INPUTS, S.GROUP_ID, S.FINISHED, S.ENGINE_LOG_PROB,
-                *([S.ACTOR_LOG_PROB] if self.scoring is Scoring.SAMPLING else []))
+                *([S.ACTOR_LOG_PROB] if self.scoring is Scoring.SAMPLING else []),
+                *([S.ACTION_MASK, S.TURN_ID, S.TURN_REWARD, S.NUM_TURNS, S.STOP_REASON]
+                  if self.environment is not None else []))
 
     def to_dict(self) -> dict:
         """The plan as plain values (``plan.json``, ``rlpipe check``)."""
-        stages = (self.collector, *self.rewards, self.advantage, self.loss)
+        stages = (self.collector, *self.rewards, self.advantage, self.loss,
+                  *([self.environment] if self.environment else []))
         return {
             "stages": {s.key: s.plugin.spec.label for s in stages},
             "contracts": {"collector": _plain(self.sampling),
                           "advantage": _plain(self.advantage_contract),
                           "rewards": {s.name: _plain(c) for s, c in
                                       zip(self.rewards, self.reward_contracts)},
-                          "loss": _plain(self.loss_contract)},
+                          "loss": _plain(self.loss_contract),
+                          "environment": _plain(self.environment_contract)},
             "kl": {("in" if k == "in_" else k): v for k, v in _plain(self.kl).items()},
             "scoring": self.scoring.value, "values": self.values,
             "settled": self.settled, "collected": list(self.collected),
@@ -196,13 +204,29 @@ def plan_run(cfg) -> RunPlan:
     checks.check_critic_pretrain(cfg, label, declared.needs_critic,
                                  {s.name: c for (s, _), c in zip(rewards, reward_contracts)})
     loss = _stage(cfg.loss, "loss", "losses")[0]
+    environment, env_declared = _environment(cfg)
     scoring = _scoring(cfg)
     return RunPlan(collector, tuple(s for s, _ in rewards), advantage, loss, sampling, declared,
                    reward_contracts, getattr(loss.plugin.obj, "contract", None) or LossContract(),
                    KLPlan(where, estimator, cfg.kl.coef, cfg.kl.clamp, cfg.kl.target,
                           cfg.kl.horizon, chosen),
                    scoring, _values(cfg, declared, scoring),
-                   Budgets(prompt_tokens, sampling.max_new_tokens, context))
+                   Budgets(prompt_tokens, sampling.max_new_tokens, context),
+                   environment=environment, environment_contract=env_declared)
+
+
+def _environment(cfg) -> tuple[Stage | None, EnvironmentContract | None]:
+    """The environment's stage and contract (none without an ``environment`` section). A
+    multi-turn run samples a step ahead only without one (one-step off-policy would run the
+    environments in a thread during the update: not supported yet)."""
+    if cfg.environment is None:
+        return None, None
+    stage, args = _stage(cfg.environment, "environment", "environments")
+    if cfg.rollout.staleness:
+        raise UserError("rollout.staleness: 1 is not supported with an environment yet (its "
+                        "turns would run during the update); set rollout.staleness: 0")
+    declared = env_contract.contract_of(stage.plugin.obj, args or {}, stage.label)
+    return stage, declared
 
 
 def _scoring(cfg) -> Scoring:
@@ -213,7 +237,7 @@ def _scoring(cfg) -> Scoring:
         return Scoring.ENGINE
     exact = not cfg.distributed.bf16 and cfg.models.autocast == "none"  # float32 round-off
     if section.mode != "none" or section.old_log_prob == "recompute" or cfg.rollout.staleness \
-            or (section.old_log_prob == "auto" and not exact):
+            or (section.old_log_prob == "auto" and not exact) or cfg.environment is not None:
         return Scoring.FORWARD
     return Scoring.SAMPLING
 

@@ -344,6 +344,9 @@ class Config:
                                   factory=lambda: PluginConfig("gae"))
     loss: PluginConfig = opt(help="the loss plugin and its arguments",
                              factory=lambda: PluginConfig("ppo"))
+    environment: PluginConfig | None = opt(None, "multi-turn: the environment plugin (tools, or "
+                                                 "your own) that answers each model turn; null: "
+                                                 "one response per prompt")
     reward: RewardSettings = opt(help="settings of the summed score", factory=RewardSettings)
     kl: KLConfig = opt(help="the KL penalty to the reference", factory=KLConfig)
     rollout: RolloutConfig = opt(help="when rollouts are sampled (one-step off-policy)",

@@ -19,6 +19,7 @@ travels with the samples of its row under ``("data", COLUMN)`` (`PromptData.atta
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,6 +180,16 @@ def _prompt_kind(value) -> str | None:
     return None
 
 
+def _json_messages(text: str) -> bool:
+    """Whether ``text`` is a JSON list of ``{role, content}`` messages."""
+    if not text.lstrip().startswith("["):
+        return False
+    try:
+        return _prompt_kind(json.loads(text)) == "chat"
+    except ValueError:
+        return False
+
+
 def _column_kind(values: list) -> str:
     """How a column travels: ``bool``, ``int`` or ``float`` tensors, or ``object`` entries."""
     kinds = {type(v) for v in values}
@@ -226,6 +237,12 @@ class PromptData:
         if self._tokenizer is None:
             raise RuntimeError("PromptData.use_tokenizer(tokenizer) must come before texts()")
         return [self._chat_texts[i] for i in rows]
+
+    def records(self, rows: list[int]) -> list[dict]:
+        """Each row as a dict: ``prompt`` (a string, or chat messages) and the other columns (what
+        an environment's ``reset(row, seed)`` receives)."""
+        return [{"prompt": self.prompts[i], **{k: v[i] for k, v in self.columns.items()}}
+                for i in rows]
 
     def attach(self, batch, rows: list[int]) -> None:
         """Write each column of ``rows[group_id]`` into ``batch`` under ``("data", COLUMN)``:
@@ -291,6 +308,11 @@ def load_prompt_data(source, split: str = "train", prompt_key: str = "prompt",
             raise UserError(f"{key}: row {i + 1}: {prompt_key!r} must be a string or a list of "
                             f"{{role, content}} messages, got {type(prompts[i]).__name__} "
                             f"{str(prompts[i])[:60]!r}")
+        if kind == "text" and _json_messages(prompts[i]):  # e.g. a CSV cell: text, not a list
+            raise UserError(f"{key}: row {i + 1}: {prompt_key!r} is chat messages written as "
+                            f"JSON text ({prompts[i][:40]!r}...), which would be trained on as "
+                            f"the literal string; store the data as .jsonl, .json or .parquet, "
+                            f"or json.loads the column into message lists")
         if kind != kinds[0]:
             raise UserError(f"{key}: mixed prompt types: row 1 is {_KIND_NAMES[kinds[0]]}, row "
                             f"{i + 1} is {_KIND_NAMES[kind]}; use one kind for every row")

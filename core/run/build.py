@@ -6,6 +6,7 @@ Plugins are looked up by name in the registry and never special-cased.
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 import warnings
@@ -35,6 +36,7 @@ from rlpipe.core.models.distributed import Dist, shard
 from rlpipe.core.observe.console import Status, describe_models
 from rlpipe.core.models.lm import (_DTYPES, Models, ValueModel, cpu_has_bf16, enable_checkpointing,
                                    frozen_copy, load_causal_lm, load_tokenizer)
+from rlpipe.core.step.multiturn import MultiTurn
 from rlpipe.core.step.rewards import RewardComposer
 
 
@@ -235,6 +237,7 @@ class Plugins:
     rewards: RewardComposer
     advantage: torch.nn.Module
     loss: torch.nn.Module
+    environment: MultiTurn | None = None   # multi-turn: the collector's turns with the environment
 
 
 def _make(stage: Stage, ctx: RunContext):
@@ -253,7 +256,21 @@ def build_plugins(cfg: Config, ctx: RunContext, plan: RunPlan | None = None) -> 
     parts = [(r.key, r.weight, _make(stage, ctx)) for r, stage in zip(cfg.rewards, plan.rewards)]
     advantage, loss = _make(plan.advantage, ctx), _make(plan.loss, ctx)
     rewards = RewardComposer(parts, clip=cfg.reward.clip, normalize=cfg.reward.normalize)
-    return Plugins(collector, rewards.to(ctx.device), advantage.to(ctx.device), loss.to(ctx.device))
+    turns = None
+    if plan.environment is not None:  # one environment instance per conversation
+        b = plan.budgets  # a row's response: what the context leaves after the prompt budget
+        budget = (b.context_tokens - b.prompt_tokens if b.context_tokens > b.prompt_tokens
+                  else plan.environment_contract.max_turns * b.new_tokens * 4)
+        spec = plan.environment.plugin.spec
+        if getattr(spec, "instance", None) is not None:  # an object from Python: a copy each
+            made = _make(plan.environment, ctx)
+            fresh = lambda: copy.deepcopy(made)  # noqa: E731
+        else:
+            fresh = lambda: _make(plan.environment, ctx)  # noqa: E731
+        turns = MultiTurn(collector, fresh, plan.environment_contract, ctx.tokenizer, budget,
+                          plan.environment.label)
+    return Plugins(collector, rewards.to(ctx.device), advantage.to(ctx.device), loss.to(ctx.device),
+                   turns)
 
 
 def needs_critic(cfg: Config) -> bool:

@@ -51,6 +51,8 @@ from rlpipe.core.observe.metrics import to_float
 from rlpipe.core.models.lm import logprobs_and_values, response_logprobs, response_values
 from rlpipe.core.base.ops import masked_mean
 from rlpipe.core.run.run_state import RunState
+from rlpipe.core.step.actions import place_turn_rewards, run_advantage
+from rlpipe.core.step.multiturn import env_metrics
 from rlpipe.core.step.update import Updater
 from rlpipe.core.step.dynamic_sampling import GroupFilter
 
@@ -61,18 +63,18 @@ class Pipeline(RunState):
     """Builds everything a run needs from a `Config`; `train()` runs ``run.steps`` PPO steps.
 
     ``resume=True`` (or ``run.resume: auto``) continues from the newest complete checkpoint.
-    ``collector``, ``rewards``, ``advantage``, ``loss``: stage objects that replace the config's
-    sections (`rlpipe.core.config.compose`); ``dataset`` (a `datasets.Dataset`) replaces ``data.prompts``.
+    ``collector``, ``rewards``, ``advantage``, ``loss``, ``environment``: stage objects that
+    replace the config's sections (`rlpipe.core.config.compose`); ``dataset`` (a `datasets.Dataset`) replaces ``data.prompts``.
     """
 
     @console.quiet_libraries()  # transformers' own bars would cut through rlpipe's lines
     @oom.explains
     def __init__(self, cfg: Config, overwrite: bool = False, progress: bool = True,
                  resume: bool = False, *, dataset=None, collector=None, rewards=None,
-                 advantage=None, loss=None):
+                 advantage=None, loss=None, environment=None):
         cfg = cfg if isinstance(cfg, Config) else load_config(cfg)  # a dict or a YAML path
         self.cfg = cfg = compose.apply(cfg, collector=collector, rewards=rewards,
-                                       advantage=advantage, loss=loss)
+                                       advantage=advantage, loss=loss, environment=environment)
         self.progress = progress and cfg.log.progress
         self.resume = resume or cfg.run.resume == "auto"
         plan = plan_run(cfg)  # every fact derived from cfg, once (rlpipe.core.config.plan)
@@ -174,14 +176,16 @@ class Pipeline(RunState):
         if self.plan.scoring is Scoring.ENGINE:
             return {}
         gap = (batch[S.ENGINE_LOG_PROB] - batch[S.OLD_LOG_PROB]).abs()
-        return {"collector/logprob_gap": to_float(masked_mean(gap, batch[S.RESPONSE_MASK]))}
+        return {"collector/logprob_gap": to_float(masked_mean(gap, S.action_mask(batch)))}
 
     def _shape_reward(self, batch: TensorDict) -> torch.Tensor:
         """Write ``reward`` (stage 5); return the per-token KL [B, R] (0 on padding)."""
-        mask = batch[S.RESPONSE_MASK]
+        mask = S.action_mask(batch)  # the policy's tokens: the score on its last one
         kl_tok = self.kl.per_token(batch[S.OLD_LOG_PROB], batch[S.REF_LOG_PROB], mask)
         guards.check_kl(batch, kl_tok, self.kl.estimator)
         batch[S.REWARD] = self.kl.shape_reward(batch[S.SCORE], kl_tok, mask)
+        if S.TURN_REWARD in batch.keys():  # an environment's reward per turn, on its last action
+            batch[S.REWARD] += place_turn_rewards(batch[S.TURN_REWARD], batch[S.TURN_ID], mask)
         return kl_tok
 
     def _prompt_rows(self) -> list[int]:
@@ -192,7 +196,11 @@ class Pipeline(RunState):
         """Stage 1 for the prompts ``rows``: the collector's batch (`OffPolicy` runs it ahead, in
         a thread where the engine computes apart: so this leaves the actor's mode alone)."""
         collector = self.plugins.collector  # plugin calls: an error names the plugin
+        turns = self.plugins.environment  # multi-turn: the collector's engine, turn by turn
         with self.models.compute():  # models.autocast (the HF collector runs the actor)
+            if turns is not None:
+                seed = self.cfg.run.seed * 1_000_003 + self.step_count * 10_007
+                return turns.collect(self.data.records(rows), seed)
             return guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
                                        collector, required=self.plan.collected)
 
@@ -273,9 +281,12 @@ class Pipeline(RunState):
         coef = self.kl.coef  # this step's, before the controller moves (after stage 7)
         kl_tok = self._shape_reward(batch)
         # 6. advantage and value targets
+        #    (multi-turn: on each row's action tokens, compacted, so no estimator sees a hole)
         advantage = self.plugins.advantage
-        batch = guards.check_output(registry.call(advantage, batch), advantage,
-                                    (S.ADVANTAGE, S.VALUE_TARGET), required=(S.ADVANTAGE,))
+        estimate = (registry.call(advantage, batch) if S.ACTION_MASK not in batch.keys() else
+                    run_advantage(lambda td: registry.call(advantage, td), batch))
+        batch = guards.check_output(estimate, advantage, (S.ADVANTAGE, S.VALUE_TARGET),
+                                    required=(S.ADVANTAGE,))
         self._check(batch, [S.REWARD, S.ADVANTAGE, S.VALUE_TARGET], "advantage")
         # 7. PPO epochs over minibatches (the critic alone during critic warm-up)
         t1 = time.perf_counter()
@@ -305,6 +316,7 @@ class Pipeline(RunState):
             "perf/tokens_per_s": float(mask.sum()) / elapsed,
             "time/rollout_s": t_rollout, "time/score_s": t_score, "time/update_s": t_update,
             "time/step_s": elapsed,
+            **(env_metrics(batch) if S.NUM_TURNS in batch.keys() else {}),
         }
         return batch, metrics
 
@@ -339,6 +351,8 @@ class Pipeline(RunState):
                   f"change the settings and continue with {option('resume')}", file=sys.stderr)
         if self.offpolicy is not None:
             self.offpolicy.close()  # a generation in flight ends before its engine stops
+        if self.plugins.environment is not None:
+            self.plugins.environment.close()  # the environments' worker threads
         close_collector(self.plugins.collector)  # e.g. stop a vLLM engine
         if self.evaluator is not None:
             close_collector(self.evaluator.collector)

@@ -126,6 +126,19 @@ def answer_scores(responses: list[str], references: list, extract: str = "auto",
     return out
 
 
+def _unusable(value) -> str | None:
+    """Why ``value`` cannot be a reference answer, or None when it can."""
+    if value is None:
+        return "missing (None)"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "infinite"
+    if isinstance(value, str):
+        return None if value.strip() else "empty"
+    if isinstance(value, (int, float)):
+        return None
+    return f"a {type(value).__name__} {str(value)[:40]}"
+
+
 class AnswerMatch(nn.Module):
     """Reward module: `answer_scores` of ``response_text`` against ``("data", column)``.
 
@@ -144,6 +157,27 @@ class AnswerMatch(nn.Module):
     def contract(cls, column: str = "answer", **args) -> RewardContract:
         """It reads the dataset column ``column`` (checked against the data before step 1)."""
         return RewardContract(columns=(column,))
+
+    @classmethod
+    def check_column(cls, values: list, column: str = "answer", where: str = "data.prompts",
+                     **args) -> None:
+        """Every reference answer a string or a finite number (a GSM8K ``####`` solution
+        included); a missing, empty, NaN or nested one (a dict, a list) scores 0 like a wrong
+        answer, so the first is one `UserError` naming the row and how many there are. The plan
+        calls it on the data as read, before any model loads; `forward` on each batch.
+
+        >>> AnswerMatch.check_column(["7", 3, 2.5, "#### 12"])
+        >>> AnswerMatch.check_column(["7", None, float("nan"), {"value": 4}])
+        Traceback (most recent call last):
+        rlpipe.core.base.errors.UserError: answer_match: column 'answer' of data.prompts: 3 of 4 rows have no usable reference answer (row 2: missing (None); row 3: NaN; row 4: a dict {'value': 4}); each must be a string or a finite number: fix or drop those rows (a missing answer would score 0, like a wrong one)
+        """
+        bad = [(i, why) for i, v in enumerate(values) if (why := _unusable(v))]
+        if bad:
+            shown = "; ".join(f"row {i + 1}: {why}" for i, why in bad[:3])
+            raise UserError(f"answer_match: column {column!r} of {where}: {len(bad)} of "
+                            f"{len(values)} rows have no usable reference answer ({shown}); each "
+                            f"must be a string or a finite number: fix or drop those rows (a "
+                            f"missing answer would score 0, like a wrong one)")
 
     def __init__(self, column: str = "answer", extract: Extract = "auto",
                  pattern: str | None = None, tolerance: float = 1e-6, format_reward: float = 0.0):
@@ -164,7 +198,8 @@ class AnswerMatch(nn.Module):
         self.tolerance, self.format_reward = tolerance, format_reward
 
     def forward(self, td) -> torch.Tensor:
-        scores = answer_scores(batch_texts(td, schema.RESPONSE_TEXT),
-                               batch_texts(td, (schema.DATA, self.column)), self.extract,
+        references = batch_texts(td, (schema.DATA, self.column))
+        self.check_column(references, self.column, "this step's batch")
+        scores = answer_scores(batch_texts(td, schema.RESPONSE_TEXT), references, self.extract,
                                self.pattern, self.tolerance, self.format_reward)
         return torch.tensor(scores, dtype=torch.float32, device=td.device)
