@@ -51,6 +51,9 @@ from rlpipe.core.base.yamlconf import Range, num
 from rlpipe.core.contracts.kinds import (EXPLAINED_VAR, SEQ, TOKEN, AdvantageContract,
                                          CollectorContract, LossContract, RewardContract,
                                          advantage_contract, reward_contract)
+from rlpipe.core.base.schema import STOP_REASONS, action_mask
+from rlpipe.core.base.toolcalls import ToolCall, parse_tool_calls
+from rlpipe.core.contracts.environment import EnvironmentContract, call_env
 from rlpipe.core.contracts.registry import PluginError
 from rlpipe.core.contracts.reward_fn import batch_texts
 from rlpipe.core.contracts.rule import Rule
@@ -66,10 +69,12 @@ __all__ = [
     "ENGINE_HIDDEN", "ACTOR_LOG_PROB", "OLD_LOG_PROB", "REF_LOG_PROB", "VALUE", "SCORE",
     "SCORE_PARTS", "DATA", "REWARD", "ADVANTAGE", "VALUE_TARGET", "ROLLOUT_IS_WEIGHT",
     "LOG_PROB", "ENTROPY", "VALUE_PRED", "NUM_TOKENS", "NUM_SEQS", "ACTION_MASK", "TURN_ID",
-    "TURN_REWARD", "NUM_TURNS", "STOP_REASON", "CONVERSATION",
+    "TURN_REWARD", "NUM_TURNS", "STOP_REASON", "CONVERSATION", "STOP_REASONS", "action_mask",
     # contracts
     "CollectorContract", "AdvantageContract", "RewardContract", "LossContract",
-    "advantage_contract", "reward_contract",
+    "advantage_contract", "reward_contract", "EnvironmentContract",
+    # environments (multi-turn): calling one, tool calls
+    "call_env", "ToolCall", "parse_tool_calls",
     # base classes and argument types
     "Collector", "Bound", "Count", "Fraction", "Temperature", "Tokens", "TopK", "pad_rows", "Range",
     "ModelPath", "PipelineLoss", "Rule", "num", "Callback",

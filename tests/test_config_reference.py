@@ -24,7 +24,7 @@ def test_every_setting_has_a_help_line():
 
 def test_every_builtin_plugin_argument_has_a_help_line():
     missing = []
-    for group in ("collectors", "rewards", "advantages", "losses"):
+    for group in ("collectors", "rewards", "advantages", "losses", "environments"):
         for name, specs in registry.find(group).items():
             if specs[0].builtin:
                 missing += [f"{name}.{s.key}" for s in plugin_settings(group, name) if not s.help]
@@ -98,3 +98,17 @@ def test_config_prints_every_plugin_argument():
                                                      if k != "name"}
     finally:
         again.unlink()
+
+
+def test_explain_environment_documents_the_section_and_the_tools_arguments():
+    out = CliRunner().invoke(main, ["config", "--explain", "environment"])
+    assert out.exit_code == 0, out.output
+    assert out.output.startswith("environment: section\n  multi-turn: the environment plugin")
+    assert "environment.name: str, default required\n" in out.output
+    tools = plugin_settings("environments", "tools", "environment.")
+    assert tools and all(f"{s.key}: " in out.output and s.help in out.output for s in tools)
+    assert {"environment.tools", "environment.max_turns"} <= {s.key for s in tools}
+    out = CliRunner().invoke(main, ["config", "--explain", "environment.max_turns"])
+    assert out.output == "environment.max_turns: int, default 4 (environment tools)\n" \
+                         "  the model's turns per conversation\n"
+    assert "### environment `tools`" in reference_markdown()

@@ -8,12 +8,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 from rlpipe.core.observe import console
 from rlpipe.core.base import schema as S
 from rlpipe.core.run.pipeline import Pipeline
-from rlpipe.core.observe.samples import sample_files, sample_rows, step_stats
+from rlpipe.core.observe.samples import (first_vs_last, sample_files, sample_rows, step_stats,
+                                         write_samples)
 
 from tests.conftest import TEST_DEVICE
 from tests.test_trainer import rows, tiny
@@ -76,6 +77,52 @@ def test_sample_rows_are_evenly_spaced_and_json_ready():
     assert row["rewards"]["loop"] == pytest.approx(float(td[S.SCORE_PARTS, "loop"][4]))
     assert row["length"] == int(td[S.RESPONSE_MASK][4].sum())
     assert row["kl"] == pytest.approx(float(kl_tok[4].sum()))
+    assert "conversation" not in row and "stop_reason" not in row  # single-turn: unchanged
+
+
+def multi_turn_batch():
+    """Two conversations as `MultiTurn` writes them: a tool call answered, then a final answer."""
+    td, kl_tok = random_batch(b=2, r=6)
+    td[S.PROMPT_TEXT], td[S.RESPONSE_TEXT] = ["2+3?", "2+3?"], ["5", "five"]
+    td[S.ACTION_MASK] = td[S.RESPONSE_MASK] & (torch.arange(6) % 3 != 1)
+    td[S.NUM_TURNS], td[S.STOP_REASON] = torch.tensor([2, 1]), torch.tensor([0, 4])
+    td["env"] = TensorDict({"tool_calls": torch.tensor([1, 1]), "tool_errors": torch.tensor([0, 1]),
+                            "timeouts": torch.tensor([0, 1]), "receipt": torch.tensor([0, 2])},
+                           batch_size=[2])
+    talk = [{"role": "user", "content": "2+3?"},
+            {"role": "assistant", "content": "<tool_call>add|2|3</tool_call>"},
+            {"role": "tool", "name": "add", "content": "5"}]
+    td[S.CONVERSATION] = NonTensorStack(talk + [{"role": "assistant", "content": "5"}], talk[:2])
+    td["env", "error"] = NonTensorStack("", "environment: step timed out")
+    return td, kl_tok
+
+
+def test_a_multi_turn_sample_holds_its_conversation():
+    td, kl_tok = multi_turn_batch()
+    first, second = (json.loads(json.dumps(r)) for r in sample_rows(td, kl_tok, 2))
+    assert first["conversation"] == list(td[S.CONVERSATION][0]) and first["turns"] == 2
+    assert first["stop_reason"] == "done" and first["receipt"] == "exact" and "error" not in first
+    assert first["action_tokens"] == int(td[S.ACTION_MASK][0].sum()) <= first["length"]
+    assert second["stop_reason"] == "timeout" and second["receipt"] == "boundary_drift"
+    assert second["env"] == {"tool_calls": 1, "tool_errors": 1, "timeouts": 1}
+    assert second["error"] == "environment: step timed out"
+
+
+def test_samples_md_shows_each_message_on_its_own_line(tmp_path):
+    td, kl_tok = multi_turn_batch()
+    for step in (1, 2):
+        write_samples(tmp_path, step, sample_rows(td, kl_tok, 2))
+    page = first_vs_last(tmp_path)
+    lines = page.splitlines()
+    assert "### Conversations, step 1" in lines and "### Conversations, step 2" in lines
+    at = lines.index("### Conversations, step 2")
+    block = lines[at + 2:at + 8]
+    assert block[0].startswith("**#1** · 2 turns · stop `done` · receipt `exact` · score ")
+    assert block[2:] == ["- **user:** 2+3?",
+                         "- **assistant, turn 1:** <tool_call>add\\|2\\|3</tool_call>",
+                         "- ⟶ **tool result** (add): 5", "- **assistant, turn 2:** 5"]
+    assert "receipt `boundary_drift`" in page and "- ⚠ environment error: environment: step " \
+        "timed out" in page
 
 
 @pytest.fixture(scope="module")

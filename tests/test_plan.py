@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 from tensordict.nn import TensorDictModuleBase
 
+from rlpipe import load_config, train
 from rlpipe.cli import main
 from rlpipe.core.base import schema as S
 from rlpipe.core.config import compose
@@ -127,3 +128,18 @@ def test_pipeline_init_keeps_its_budget():
              if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
              and t.value.id == "self"}
     assert lines <= 30 and len(names) <= 15, (lines, sorted(names))
+
+
+def test_each_reward_functions_convention_is_said_and_recorded(tmp_path, capsys):
+    """Issue 52: one line per reward at start names the convention detected and the columns
+    read; plan.json records the same lines."""
+    def completions_only(completions, **kwargs):  # TRL's convention
+        return [0.0 for _ in completions]
+
+    run_dir = train(load_config(TINY, ["run.steps=1", f"run.output_dir={tmp_path / 'run'}"]),
+                    rewards=[completions_only], progress=False)
+    said = capsys.readouterr().err
+    line = next(x for x in said.splitlines() if "reward 'completions_only'" in x)
+    assert "TRL" in line
+    recorded = json.loads((run_dir / "plan.json").read_text())["rewards_detected"]
+    assert any("reward 'completions_only'" in x and "TRL" in x for x in recorded)

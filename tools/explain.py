@@ -33,7 +33,10 @@ from rlpipe.core.base.yamlconf import rest_field, rule_text, yaml_key
 
 # The plugin a section gets when the config names none (`Config`'s defaults), by group.
 SECTIONS = {"collector": "collectors", "advantage": "advantages", "loss": "losses"}
-KIND = {"collectors": "collector", "rewards": "reward", "advantages": "advantage", "losses": "loss"}
+KIND = {"collectors": "collector", "rewards": "reward", "advantages": "advantage", "losses": "loss",
+        "environments": "environment"}
+# Optional plugin sections (null by default): the built-in plugin whose arguments they list.
+OPTIONAL = {"environment": ("environments", "tools")}
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ def settings(cls=Config, prefix: str = "") -> list[Setting]:
             out += plugin_settings(SECTIONS[key], name, key + ".")
         elif nested is not None:
             out += settings(nested, key + ".")
+            if key in OPTIONAL:  # off by default: the built-in plugin's arguments, as an example
+                out += plugin_settings(*OPTIONAL[key], key + ".")
     return out
 
 
@@ -203,9 +208,12 @@ def explain(key: str, cfg: Config | None = None) -> str:
                                                        key.rsplit(".", 1)[0] + ".",
                                                        obj=plugin_cfg.resolved.obj)}
             known.update(found)
+    if key in OPTIONAL:  # an optional plugin section: its keys and the built-in's arguments
+        return "\n".join(_line(s) for s in known.values()
+                         if s.key == key or s.key.startswith(key + "."))
     if key in known:
         return _line(known[key])
-    for group in ("collectors", "rewards", "advantages", "losses"):
+    for group in ("collectors", "rewards", "advantages", "losses", "environments"):
         name, _, arg = key.partition(".")
         if name in registry.find(group):
             found = plugin_settings(group, name, f"{name}.")
@@ -266,7 +274,7 @@ plugin's arguments come from its signature and the `Args:` section of its docstr
 def reference_markdown() -> str:
     """docs/config.md: the config tree section by section, then every built-in plugin."""
     out, rows = [INTRO], [s for s in settings() if not s.key.startswith(tuple(
-        f"{k}." for k in SECTIONS)) or s.key.endswith(".name")]
+        f"{k}." for k in (*SECTIONS, *OPTIONAL))) or s.key.endswith(".name")]
     top = [s for s in rows if "." not in s.key]
     out += ["## Sections", "", *_table(top, "section"), ""]
     for section in top:
@@ -277,7 +285,7 @@ def reference_markdown() -> str:
             "The built-in plugins' arguments: the keys of a plugin section besides `name` "
             "(`collector: {name: hf, max_new_tokens: 64}`; for a reward, besides `weight` and "
             "`label` too).", ""]
-    for group in ("collectors", "rewards", "advantages", "losses"):
+    for group in ("collectors", "rewards", "advantages", "losses", "environments"):
         for name, specs in sorted(registry.find(group).items()):
             if specs[0].builtin:
                 obj = registry.load(group, name)

@@ -51,6 +51,8 @@ ROLLOUT_IS_WEIGHT = "rollout_is_weight"  # [B, R] float, tis/mis only: weight of
 
 # Why a multi-turn conversation ended (``stop_reason`` holds the index).
 STOP_REASONS = ("done", "max_turns", "length", "tool_error", "timeout")
+# A multi-turn row's receipt (``("env", "receipt")`` holds the index; rlpipe.core.step.multiturn).
+RECEIPTS = ("exact", "assistant_drift", "boundary_drift")
 
 # Written by the trainer into each PPO micro-batch, read by loss plugins.
 LOG_PROB = "log_prob"            # [b, R] float: log pi_theta(a_t|s_t) under the current weights (grad)

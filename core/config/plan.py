@@ -42,6 +42,7 @@ from rlpipe.core.contracts import environment as env_contract
 from rlpipe.core.contracts.collector import (contract_of, request_actor_log_prob,
                                              request_hidden)
 from rlpipe.core.contracts.environment import EnvironmentContract
+from rlpipe.core.contracts.reward_fn import describe_reward
 from rlpipe.core.contracts.kinds import (AdvantageContract, CollectorContract, LossContract,
                                          RewardContract, advantage_contract, reward_contract,
                                          undeclared_notice)
@@ -117,6 +118,7 @@ class RunPlan:
     settled: bool = False                # `settle` has run: scoring and values are final
     environment: Stage | None = None     # multi-turn: the environment answering each turn
     environment_contract: EnvironmentContract | None = None
+    reward_lines: tuple[str, ...] = ()   # `settle`: each reward's convention and columns read
 
     @property
     def collected(self) -> tuple[str, ...]:
@@ -141,6 +143,7 @@ class RunPlan:
             "kl": {("in" if k == "in_" else k): v for k, v in _plain(self.kl).items()},
             "scoring": self.scoring.value, "values": self.values,
             "settled": self.settled, "collected": list(self.collected),
+            "rewards_detected": list(self.reward_lines),
             "budgets": _plain(self.budgets)}
 
 
@@ -278,5 +281,7 @@ def settle(plan: RunPlan, cfg, models, plugins, dist) -> RunPlan:
                                     and not dist.enabled and request_hidden(collector)):
         values = "critic"
     loss_contract = getattr(plugins.loss, "contract", None) or plan.loss_contract
+    lines = tuple(describe_reward(label, module, contract.columns) for label, module, contract
+                  in zip(plugins.rewards.labels, plugins.rewards.parts, plan.reward_contracts))
     return replace(plan, scoring=scoring, values=values, loss_contract=loss_contract,
-                   settled=True)
+                   settled=True, reward_lines=lines)

@@ -4,7 +4,9 @@
 distribution, the largest per-sequence KL, value and return means). `sample_rows` picks
 ``log.samples`` samples of a step (evenly spaced over the batch: no random draw, so the training
 RNG is untouched) and `write_samples` writes them to ``RUN_DIR/samples/step-N.jsonl``, one JSON
-object per sample: prompt, response, score, each reward part, length, finished flag, KL.
+object per sample: prompt, response, score, each reward part, length, finished flag, KL; a
+multi-turn sample also its conversation, turns, stop reason and receipt (`turn_fields`), which
+``samples.md`` shows one message a line (`conversation_lines`).
 
 >>> import torch
 >>> from tensordict import TensorDict
@@ -131,6 +133,7 @@ def sample_rows(batch, kl_tok: torch.Tensor, k: int) -> list[dict]:
     prompts = batch[S.PROMPT_TEXT] if S.PROMPT_TEXT in keys else None  # lists of str
     responses = batch[S.RESPONSE_TEXT] if S.RESPONSE_TEXT in keys else None
     kl_seq = kl_tok.sum(-1)
+    turns = turn_fields(batch)
     rows = []
     for i in _pick(batch.batch_size[0], k):
         rows.append({
@@ -142,8 +145,46 @@ def sample_rows(batch, kl_tok: torch.Tensor, k: int) -> list[dict]:
             "length": int(mask[i].sum()),
             "finished": bool(batch[S.FINISHED][i]),
             "kl": _number(float(kl_seq[i])),
+            **turns[i],
         })
     return rows
+
+
+def turn_fields(batch) -> list[dict]:
+    """Per sample of a multi-turn batch (one with ``conversation``): its chat messages, the
+    policy's turns and tokens, why it stopped, its receipt, the environment's counts (and its
+    error, if one ended the row); ``{}`` per sample of a single-turn batch.
+
+    >>> from tensordict import NonTensorStack, TensorDict
+    >>> td = TensorDict({"num_turns": torch.tensor([2]), "stop_reason": torch.tensor([0]),
+    ...                  "action_mask": torch.tensor([[True, False, True]]),
+    ...                  "env": {"tool_calls": torch.tensor([1]), "receipt": torch.tensor([0])}},
+    ...                 batch_size=[1])
+    >>> td["conversation"] = NonTensorStack([{"role": "user", "content": "hi"}])
+    >>> td["env", "error"] = NonTensorStack("")
+    >>> turn_fields(td)[0]
+    {'conversation': [{'role': 'user', 'content': 'hi'}], 'turns': 2, 'action_tokens': 2, 'stop_reason': 'done', 'receipt': 'exact', 'env': {'tool_calls': 1}}
+    >>> turn_fields(TensorDict({}, batch_size=[2]))
+    [{}, {}]
+    """
+    size = batch.batch_size[0]
+    if S.CONVERSATION not in batch.keys():
+        return [{} for _ in range(size)]
+    env = batch["env"]
+    counts = {k: env[k].tolist() for k in env.keys()
+              if k != "receipt" and isinstance(env[k], torch.Tensor)}
+    errors = env["error"] if "error" in env.keys() else [""] * size
+    conversations, turns = batch[S.CONVERSATION], batch[S.NUM_TURNS].tolist()
+    actions = S.action_mask(batch).sum(-1).tolist()
+    out = []
+    for i in range(size):
+        row = {"conversation": list(conversations[i]), "turns": turns[i],
+               "action_tokens": actions[i],
+               "stop_reason": S.STOP_REASONS[int(batch[S.STOP_REASON][i])],
+               "receipt": S.RECEIPTS[int(env["receipt"][i])],
+               "env": {k: v[i] for k, v in counts.items()}}
+        out.append({**row, "error": errors[i]} if errors[i] else row)
+    return out
 
 
 def write_samples(run_dir: Path, step: int, rows: list[dict]) -> Path:
@@ -199,7 +240,52 @@ def _side_by_side(first: tuple[int, Path], last: tuple[int, Path], what: str) ->
             cells += [_cut(row.get("prompt", "")), _cut(row.get("response", "")),
                       f"{score:.3g}" if isinstance(score, (int, float)) else ""]
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    lines.append("")
+    for (step, _), side in zip((first, last), (a, b)):
+        talks = [(i, row) for i, row in enumerate(side) if row.get("conversation")]
+        if talks:
+            lines += [f"### Conversations, step {step}", ""]
+            for i, row in talks:
+                lines += conversation_lines(row, i + 1) + [""]
+    return lines
+
+
+def conversation_lines(row: dict, number: int) -> list[str]:
+    """A multi-turn sample as Markdown: a header (turns, stop reason, receipt, score), then one
+    message a line, its role first, the environment's answers marked (``tool`` results with the
+    tool's name), each message cut at 300 characters.
+
+    >>> row = {"turns": 2, "stop_reason": "done", "receipt": "exact", "score": 1.0,
+    ...        "conversation": [{"role": "user", "content": "2+3?"},
+    ...                         {"role": "assistant", "content": "<call>add</call>"},
+    ...                         {"role": "tool", "name": "add", "content": "5"},
+    ...                         {"role": "assistant", "content": "5"}]}
+    >>> print("\\n".join(conversation_lines(row, 1)))
+    **#1** · 2 turns · stop `done` · receipt `exact` · score 1
+    <BLANKLINE>
+    - **user:** 2+3?
+    - **assistant, turn 1:** <call>add</call>
+    - ⟶ **tool result** (add): 5
+    - **assistant, turn 2:** 5
+    """
+    score = row.get("score")
+    head = (f"**#{number}** · {row.get('turns')} turns · stop `{row.get('stop_reason')}` · "
+            f"receipt `{row.get('receipt')}`" +
+            (f" · score {score:.3g}" if isinstance(score, (int, float)) else ""))
+    lines, turn = [head, ""], 0
+    for message in row["conversation"]:
+        role, text = message.get("role", "?"), _cut(message.get("content", ""))
+        if role == "assistant":
+            turn += 1
+            lines.append(f"- **assistant, turn {turn}:** {text}")
+        elif role == "tool":
+            name = f" ({message['name']})" if message.get("name") else ""
+            lines.append(f"- ⟶ **tool result**{name}: {text}")
+        else:
+            lines.append(f"- **{role}:** {text}")
+    if row.get("error"):
+        lines.append(f"- ⚠ environment error: {_cut(row['error'])}")
+    return lines
 
 
 def first_vs_last(run_dir: Path) -> str | None:

@@ -256,21 +256,26 @@ def build_plugins(cfg: Config, ctx: RunContext, plan: RunPlan | None = None) -> 
     parts = [(r.key, r.weight, _make(stage, ctx)) for r, stage in zip(cfg.rewards, plan.rewards)]
     advantage, loss = _make(plan.advantage, ctx), _make(plan.loss, ctx)
     rewards = RewardComposer(parts, clip=cfg.reward.clip, normalize=cfg.reward.normalize)
-    turns = None
-    if plan.environment is not None:  # one environment instance per conversation
-        b = plan.budgets  # a row's response: what the context leaves after the prompt budget
-        budget = (b.context_tokens - b.prompt_tokens if b.context_tokens > b.prompt_tokens
-                  else plan.environment_contract.max_turns * b.new_tokens * 4)
-        spec = plan.environment.plugin.spec
-        if getattr(spec, "instance", None) is not None:  # an object from Python: a copy each
-            made = _make(plan.environment, ctx)
-            fresh = lambda: copy.deepcopy(made)  # noqa: E731
-        else:
-            fresh = lambda: _make(plan.environment, ctx)  # noqa: E731
-        turns = MultiTurn(collector, fresh, plan.environment_contract, ctx.tokenizer, budget,
-                          plan.environment.label)
     return Plugins(collector, rewards.to(ctx.device), advantage.to(ctx.device), loss.to(ctx.device),
-                   turns)
+                   multi_turn(plan, ctx, collector))
+
+
+def multi_turn(plan: RunPlan, ctx: RunContext, collector) -> MultiTurn | None:
+    """The plan's environment over ``collector``'s engine (None without one): training's and
+    evaluation's conversations, one fresh environment instance per conversation."""
+    if plan.environment is None:
+        return None
+    b = plan.budgets  # a row's response: what the context leaves after the prompt budget
+    budget = (b.context_tokens - b.prompt_tokens if b.context_tokens > b.prompt_tokens
+              else plan.environment_contract.max_turns * b.new_tokens * 4)
+    spec = plan.environment.plugin.spec
+    if getattr(spec, "instance", None) is not None:  # an object from Python: a copy each
+        made = _make(plan.environment, ctx)
+        fresh = lambda: copy.deepcopy(made)  # noqa: E731
+    else:
+        fresh = lambda: _make(plan.environment, ctx)  # noqa: E731
+    return MultiTurn(collector, fresh, plan.environment_contract, ctx.tokenizer, budget,
+                     plan.environment.label)
 
 
 def needs_critic(cfg: Config) -> bool:

@@ -122,7 +122,7 @@ class Hooks:
     def __enter__(self) -> Hooks:
         self._stack = contextlib.ExitStack()
         with self._stack as stack:
-            stack.callback(self._release_on_error)
+            stack.push(self._release_on_error)
             for callback in self.callbacks:
                 self._call(callback, "on_train_start")
                 stack.callback(self._call, callback, "on_train_end")
@@ -130,7 +130,9 @@ class Hooks:
         return self
 
     def _call(self, callback, hook: str, *args) -> None:
-        with calling(f"callback {_name(callback)}", hook):
+        """``callback.hook(pipe, *args)``; yours as plugin code (rlpipe's own keep their errors)."""
+        own = type(callback).__module__ == __name__
+        with contextlib.nullcontext() if own else calling(f"callback {_name(callback)}", hook):
             getattr(callback, hook)(self.pipe, *args)
 
     def step_end(self, batch, metrics: dict) -> dict:
@@ -145,16 +147,15 @@ class Hooks:
                                 f"pipe.stopped_by")
         return metrics
 
-    def _release_on_error(self) -> None:
+    def _release_on_error(self, exc_type, *exc) -> bool:
+        """An error leaving the block (a hook's included): the run is not in use any more."""
         lock = getattr(self.pipe, "lock", None)
-        if self._failed and lock is not None:
+        if exc_type is not None and lock is not None:
             lock.release()
+        return False
 
-    _failed = True  # until the block ends without an exception
-
-    def __exit__(self, exc_type, *exc) -> None:
-        self._failed = exc_type is not None
-        self._stack.close()
+    def __exit__(self, *exc) -> None:
+        self._stack.__exit__(*exc)
 
 
 def _check_row(name: str, before: dict, metrics: dict) -> None:

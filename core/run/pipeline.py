@@ -117,6 +117,8 @@ class Pipeline(RunState):
         """The plan's second step (`settle`, once the models and plugins exist), said and
         recorded in the run directory (``plan.json``)."""
         plan = settle(plan, self.cfg, self.models, self.plugins, self.dist)
+        for line in plan.reward_lines:  # which convention each reward function was read as
+            self.status.say(line)
         if plan.scoring is Scoring.SAMPLING:
             self.status.say("old log-probs: from the sampling pass (no actor forward in scoring; "
                             "rollout_correction.old_log_prob)")
@@ -131,8 +133,9 @@ class Pipeline(RunState):
         if self.built.eval_data is None:
             return None
         sampler, own_engine = eval_collector(self.cfg, self.ctx, self.plugins.collector)
+        turns = build.multi_turn(self.plan, self.ctx, sampler)  # the same conversations, greedy
         return Evaluator(self.cfg, self.built.eval_data, sampler, self.plugins.rewards, self.dist,
-                         self.device, self.run_dir, self.models.compute, own_engine)
+                         self.device, self.run_dir, self.models.compute, own_engine, turns)
 
     def _check(self, td: TensorDict, keys, where: str) -> None:
         if self.cfg.run.debug:

@@ -6,6 +6,13 @@ clipped by ``reward.clip``, never normalised), ``eval/reward/<label>`` (each par
 ``eval/response/length`` and ``time/eval_s``. Each evaluation's samples go to
 ``RUN_DIR/samples/eval-step-N.jsonl`` (prompt, response, score, parts, data columns, in row order).
 
+With an environment (``environment``), evaluation runs the same multi-turn conversations as
+training (`rlpipe.core.step.multiturn.MultiTurn` over the evaluation's sampler, so greedy by
+default): the score is the tool-using policy's, each sample carries its conversation, turns, stop
+reason and receipt (`rlpipe.core.observe.samples.turn_fields`), and the metrics add
+``eval/env/*``: training's ``env/*`` (`rlpipe.core.step.multiturn.env_metrics`) over the
+held-out conversations. Each held-out row's environment is reset with seed ``run.seed + row``.
+
 Evaluation never touches the training state: it samples at ``temperature: eval.temperature``,
 one answer per prompt, from the training collector's ``sampling_view`` where the collector offers
 one (``vllm``: the same engine, no second one), else from its own collector instance (the
@@ -30,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from tensordict import TensorDict
 
 from rlpipe.core.contracts import guards, registry
 from rlpipe.core.base import schema as S
@@ -38,6 +46,8 @@ from rlpipe.core.config.checks import resolve_plugin
 from rlpipe.core.base.errors import UserError, option
 from rlpipe.core.data.prompts import PromptData
 from rlpipe.core.contracts.reward_fn import batch_texts
+from rlpipe.core.observe.samples import turn_fields
+from rlpipe.core.step.multiturn import env_metrics
 
 SAMPLES_DIR = "samples"
 
@@ -72,12 +82,29 @@ def _chunks(rows: list[int], count: int) -> list[list[int]]:
     return out
 
 
+def _env_metrics(samples: list[dict]) -> dict[str, float]:
+    """``eval/env/*``: `env_metrics` (training's definitions) over the gathered samples, whose
+    per-sample fields (`turn_fields`) are put back as the batch entries it reads."""
+    length = torch.tensor([s["length"] for s in samples])
+    actions = torch.tensor([s["action_tokens"] for s in samples])
+    at = torch.arange(max(1, int(length.max())))
+    batch = TensorDict({
+        S.RESPONSE_MASK: at < length[:, None], S.ACTION_MASK: at < actions[:, None],
+        S.NUM_TURNS: torch.tensor([s["turns"] for s in samples]),
+        S.STOP_REASON: torch.tensor([S.STOP_REASONS.index(s["stop_reason"]) for s in samples]),
+        "env": {"receipt": torch.tensor([S.RECEIPTS.index(s["receipt"]) for s in samples]),
+                **{k: torch.tensor([s["env"][k] for s in samples]) for k in samples[0]["env"]}},
+    }, batch_size=[len(samples)])
+    return {f"eval/{name}": value for name, value in env_metrics(batch).items()}
+
+
 class Evaluator:
     """Runs the evaluation of one run: `run` at the steps `due` names."""
 
     def __init__(self, cfg, data: PromptData, collector, rewards, dist, device, run_dir: Path,
-                 compute=contextlib.nullcontext, own_engine: bool = True):
+                 compute=contextlib.nullcontext, own_engine: bool = True, turns=None):
         self.cfg, self.data, self.collector, self.rewards = cfg.eval, data, collector, rewards
+        self.turns = turns  # a `MultiTurn` over ``collector`` with an environment, else None
         self.own_engine = own_engine  # False: a sampling view, whose weights the pipeline syncs
         self.compute = compute  # the context the actor's forwards run in (`Models.compute`)
         self.dist, self.device, self.seed = dist, device, cfg.run.seed
@@ -119,9 +146,12 @@ class Evaluator:
     def _samples(self, rows: list[int]) -> list[dict]:
         """Generate and score one chunk; one plain dict per sample."""
         collector = self.collector
-        batch = guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
-                                    collector, required=(S.RESPONSE_IDS, S.RESPONSE_MASK,
-                                                         S.GROUP_ID, S.FINISHED))
+        if self.turns is not None:  # seeds by row: the same environments at every evaluation
+            batch = self.turns.collect(self.data.records(rows), self.seed + rows[0])
+        else:
+            batch = guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
+                                        collector, required=(S.RESPONSE_IDS, S.RESPONSE_MASK,
+                                                             S.GROUP_ID, S.FINISHED))
         batch = batch.to(self.device)
         self.data.attach(batch, rows)
         self.rewards.evaluate(batch)
@@ -131,10 +161,11 @@ class Evaluator:
         score, length = batch[S.SCORE].tolist(), batch[S.RESPONSE_MASK].sum(-1).tolist()
         parts = {k: batch[S.SCORE_PARTS, k].tolist() for k in labels}
         prompts, responses = batch_texts(batch, S.PROMPT_TEXT), batch_texts(batch, S.RESPONSE_TEXT)
+        turns = turn_fields(batch)
         return [{"row": rows[g], "prompt": prompts[i], "response": responses[i],
                  "score": score[i], "rewards": {k: parts[k][i] for k in labels},
                  "length": length[i], "finished": bool(batch[S.FINISHED][i]),
-                 "data": {c: v[i] for c, v in columns.items()}}
+                 "data": {c: v[i] for c, v in columns.items()}, **turns[i]}
                 for i, g in enumerate(groups)]
 
     def _metrics(self, samples: list[dict]) -> dict[str, float]:
@@ -145,7 +176,13 @@ class Evaluator:
         return {"eval/score": mean(s["score"] for s in samples),
                 **{f"eval/reward/{k}": mean(s["rewards"][k] for s in samples)
                    for k in self.rewards.labels},
-                "eval/response/length": mean(s["length"] for s in samples)}
+                "eval/response/length": mean(s["length"] for s in samples),
+                **(_env_metrics(samples) if samples and "turns" in samples[0] else {})}
+
+    def close(self) -> None:
+        """The environments' worker threads (the sampler is closed apart: ``collector``)."""
+        if self.turns is not None:
+            self.turns.close()
 
     def _write(self, step: int, samples: list[dict]) -> None:
         self.samples_dir.mkdir(exist_ok=True)

@@ -42,7 +42,7 @@ from rlpipe.core.base.errors import UserError
 from rlpipe.core.contracts.environment import EnvironmentContract, call_env
 from rlpipe.core.contracts.registry import PluginError
 
-RECEIPTS = ("exact", "assistant_drift", "boundary_drift")
+RECEIPTS = S.RECEIPTS
 _COUNTS = ("tool_calls", "tool_errors", "timeouts")
 
 

@@ -329,3 +329,35 @@ class FlatGroups(Rule):
             return (f"reward/zero_std_frac {mean(flat):.3g} ({where}) > {self.threshold:g}: "
                     f"most groups carry no reward signal")
         return None
+
+
+@dataclass
+class BoundaryDrift(Rule):
+    """Conversations whose turn boundaries differ from the chat template's rendering, at any step
+    (``env/receipt/boundary_drift`` above ``threshold``): a separator dropped or added between
+    turns, a template that does not match the one the rows were built with. Unlike
+    ``assistant_drift`` (the model's own words re-encode differently: harmless) this is a bug:
+    the policy trains on token sequences its template would never produce.
+
+    >>> from rlpipe.core.contracts.rule import History
+    >>> BoundaryDrift().check(History([{"step": 4, "env/receipt/boundary_drift": 0.25}]))
+    'env/receipt/boundary_drift 0.25 at step 4 > 0: that fraction of the conversations have turn boundaries the chat template renders differently'
+    >>> BoundaryDrift().check(History([{"step": 1, "env/receipt/boundary_drift": 0.0}])) is None
+    True
+    """
+
+    threshold: float = num(0.0, "in [0, 1)")
+    reads = ("env/receipt/boundary_drift",)
+    panel = "env"
+    remedy = ("the rows' turn boundaries differ from the chat template's rendering (a dropped "
+              "turn separator, a template other than the tokenizer's): check "
+              "models.actor.chat_template and the environment's messages (their roles, a "
+              "trailing newline); samples/step-N.jsonl shows each conversation's receipt")
+
+    def check(self, h: History) -> str | None:
+        drift = h.latest.get("env/receipt/boundary_drift")
+        if not finite(drift) or drift <= self.threshold:
+            return None
+        return (f"env/receipt/boundary_drift {drift:.3g} at step {h.step} > {self.threshold:g}: "
+                f"that fraction of the conversations have turn boundaries the chat template "
+                f"renders differently")

@@ -28,4 +28,4 @@ def identical_frac(response_ids: torch.Tensor, response_mask: torch.Tensor,
     several = size >= 2
     if not several.any():
         return {}
-    return {"response/identical_frac": float(((high == low) & several).sum() / several.sum())}
+    return {"response/identical_frac": int(((high == low) & several).sum()) / int(several.sum())}
