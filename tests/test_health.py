@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
 BUILTIN = {"kl_explosion", "kl_nonzero_at_start", "reward_hacking_length", "reward_hacking_loop",
            "value_not_learning", "clip_high", "entropy_collapse", "grad_spikes", "truncation",
-           "nan_skips", "flat_groups"}
+           "nan_skips", "flat_groups", "boundary_drift"}
 
 
 def rows_of(**series) -> list[dict]:
@@ -37,6 +37,8 @@ def ramp(a: float, b: float, n: int) -> list[float]:
 
 FLAT20 = [20.0] * 12
 CASES = {  # rule: (a history that must fire it, at this step; one that must not)
+    "boundary_drift": [(rows_of(**{"env/receipt/boundary_drift": [0.0, 0.25]}), 2),
+                       rows_of(**{"env/receipt/boundary_drift": [0.0, 0.0]})],
     "kl_explosion": [
         (rows_of(**{"kl/ref": [0.0, 5.0, 40.0], "response/length": [20.0] * 3}), 3),  # 2 nats/token
         (rows_of(**{"kl/ref": [20 * v for v in ramp(0.0, 0.6, 5)],                    # +0.15/step

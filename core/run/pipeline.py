@@ -358,6 +358,7 @@ class Pipeline(RunState):
             self.plugins.environment.close()  # the environments' worker threads
         close_collector(self.plugins.collector)  # e.g. stop a vLLM engine
         if self.evaluator is not None:
+            self.evaluator.close()  # its environments' worker threads
             close_collector(self.evaluator.collector)
         if self.lock is not None:
             self.lock.release()
