@@ -225,3 +225,25 @@ def test_a_missing_column_is_refused_before_any_model_loads(tmp_path, monkeypatc
                                        "rewards=[{name: answer_match, column: solution}]"])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
     assert result.stderr.startswith("error: reward 'answer_match' reads column 'solution'")
+
+
+def test_unusable_labels_are_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """Issue 54: rows without an answer, NaN answers and dict answers would score 0 like wrong
+    answers; answer_match's contract declares a check of its labels, run on the data as read."""
+    from rlpipe.core.base.errors import UserError
+    from rlpipe.core.run import build
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the label check")
+
+    monkeypatch.setattr(build, "load_tokenizer", no_model)
+    monkeypatch.setattr(build, "load_causal_lm", no_model)
+    data = tmp_path / "rows.jsonl"
+    answers = [4, float("nan"), {"value": 4}, None]
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n"
+                            for i, a in enumerate(answers)))
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path / 'run'}", f"data.prompts={data}",
+                             "data.batch_size=4", "rewards=[{name: answer_match, column: answer}]"])
+    with pytest.raises(UserError, match=r"3 of 4 rows have no usable reference answer"):
+        Pipeline(cfg, progress=False)
+    assert not (tmp_path / "run").exists()

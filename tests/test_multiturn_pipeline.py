@@ -111,3 +111,18 @@ def test_single_turn_is_bit_identical_through_the_action_mask_path(tmp_path):
                {k: v for k, v in b.items() if not k.startswith(drop)}
     wa, wb = final_weights(runs[0]), final_weights(runs[1])
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_the_tool_lookup_example_loads_and_its_tool_answers(monkeypatch):
+    monkeypatch.chdir(ROOT)   # the config names its tool as a module of the repository
+    cfg = load_config(ROOT / "examples" / "tool_lookup" / "config.yaml")
+    assert cfg.environment.name == "tools"
+    from rlpipe.core.config.plan import plan_run
+    contract = plan_run(cfg).environment_contract
+    assert [t["function"]["name"] for t in contract.tools] == ["lookup"]
+    rows = [json.loads(x) for x in (ROOT / "examples/tool_lookup/test.jsonl").read_text().splitlines()]
+    table = json.loads((ROOT / "examples/tool_lookup/table.json").read_text())
+    train_names = {json.loads(x)["name"] for x in
+                   (ROOT / "examples/tool_lookup/train.jsonl").read_text().splitlines()}
+    assert all(int(table[r["name"]]) == r["answer"] for r in rows)
+    assert not train_names & {r["name"] for r in rows}   # held-out names

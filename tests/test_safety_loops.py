@@ -118,11 +118,11 @@ def test_a_prefix_scoring_reward_at_weight_0_is_one_line(tmp_path, rm):
 
 
 def test_critic_pretrain_epochs_without_rollouts_is_one_line():
-    """`check_settings` (for the plan's critic-pretraining check, core/config/checks.py)."""
-    critic_pretrain.check_settings(load_config(TINY, []).train)
+    """Refused at load (core/config/checks.py), before any model is built."""
+    load_config(TINY, [])
     with pytest.raises(UserError, match=r"^train.critic_pretrain_epochs: 5 passes over no "
                                         r"rollouts"):
-        critic_pretrain.check_settings(load_config(TINY, ["train.critic_pretrain_epochs=5"]).train)
+        load_config(TINY, ["train.critic_pretrain_epochs=5"])
 
 
 def test_raising_critic_pretrain_rollouts_on_resume_past_step_0_is_one_line(tmp_path, rm):

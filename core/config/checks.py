@@ -71,6 +71,11 @@ def check_config(cfg, conv) -> None:
         raise UserError("train.min_lr_ratio: the floor of the cosine schedule; set "
                         "train.schedule: cosine, or leave it at 0")
     check_rendezvous(cfg.distributed)
+    if cfg.kl.target is not None and cfg.kl.coef == 0:  # also refused by the controller itself
+        raise UserError(f"kl.coef: 0 with kl.target: {cfg.kl.target:g}: the adaptive controller "
+                        f"multiplies the coefficient, so it would stay 0 and the KL never be "
+                        f"penalised; set kl.coef > 0 (the starting value, e.g. 0.05), or "
+                        f"kl.target: null for no KL penalty")
     if cfg.models.autocast != "none" and cfg.distributed.bf16:
         raise UserError("models.autocast: distributed.bf16 already computes in bf16 (FSDP mixed "
                         "precision); set one of the two")
@@ -265,6 +270,11 @@ def check_critic_pretrain(cfg, label: str, needs_critic: bool, rewards: dict) ->
     its own, raw scores and a reward that declares ``scores_prefixes`` (``rewards``: each
     reward's label and `RewardContract`; ``label``: the advantage's)."""
     if not cfg.train.critic_pretrain_rollouts:
+        if cfg.train.critic_pretrain_epochs != 3:  # set without rollouts: it would do nothing
+            raise UserError(f"train.critic_pretrain_epochs: {cfg.train.critic_pretrain_epochs} "
+                            f"passes over no rollouts: critic pretraining runs only with "
+                            f"train.critic_pretrain_rollouts > 0 (e.g. 96); set it, or leave "
+                            f"critic_pretrain_epochs out")
         return
     key = "train.critic_pretrain_rollouts"
     if not needs_critic:

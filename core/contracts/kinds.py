@@ -25,7 +25,7 @@ False
 >>> advantage_contract(object)
 AdvantageContract(needs_critic=True, needs_groups=False, kl_in='loss', group_normalised=True, declared=False)
 >>> reward_contract(object)
-RewardContract(columns=(), scores_prefixes=False)
+RewardContract(columns=(), scores_prefixes=False, check_values=None)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import inspect
 import math
 import types
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
 from rlpipe.core.base.errors import UserError
@@ -140,6 +140,8 @@ class RewardContract:
                                     # the first step
     scores_prefixes: bool = False   # its score of a partial response estimates its score of the
                                     # finished one (train.critic_pretrain_rollouts regresses on it)
+    check_values: Callable | None = None  # (values, column, where) -> None: refuses unusable
+                                    # labels on one line, before any model loads
 
     def problem(self) -> str | None:
         """What is wrong with these values, or None.
@@ -151,6 +153,8 @@ class RewardContract:
             return f"columns must be a tuple of column names, got {self.columns!r}"
         if not isinstance(self.scores_prefixes, bool):
             return f"scores_prefixes must be True or False, got {self.scores_prefixes!r}"
+        if self.check_values is not None and not callable(self.check_values):
+            return f"check_values must be a function or None, got {self.check_values!r}"
         return None
 
 
@@ -284,7 +288,7 @@ def reward_contract(obj, args: dict | None = None, label: str | None = None) -> 
 
     >>> def exact(prompts, responses, answer, **batch): ...
     >>> reward_contract(reward_fn.wrap_reward_function(exact))
-    RewardContract(columns=('answer',), scores_prefixes=False)
+    RewardContract(columns=('answer',), scores_prefixes=False, check_values=None)
     """
     label = label or registry.label_of(obj)
     cls = obj if inspect.isclass(obj) else type(obj)

@@ -339,6 +339,9 @@ def check_reward_columns(contracts: dict, data: PromptData, where: str) -> None:
     """
     for label, contract in contracts.items():
         for column in contract.columns:
-            if column_values(data.columns, column) is None:  # COLUMN.KEY: a dict column's key
+            values = column_values(data.columns, column)  # COLUMN.KEY: a dict column's key
+            if values is None:
                 raise UserError(f"reward {label!r} reads column {column!r}, which {where} does "
                                 f"not have; columns: {', '.join(data.columns) or 'none'}")
+            if contract.check_values is not None:  # the reward's own check of its labels
+                contract.check_values(values, column, where)

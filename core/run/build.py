@@ -346,6 +346,16 @@ def build_run(cfg: Config, plan: RunPlan, overwrite: bool = False, resume: bool 
     flush_denormals(cfg.run.flush_denormals)  # x86 runs arithmetic on denormals 10-50x slower
     keep_freed_memory(cfg.run.keep_freed_memory)  # no page faults for a reused large tensor
     run_dir, lock = prepare_run_dir(cfg, overwrite, resume, dist.is_main)
+    try:
+        return _build_in(cfg, plan, dist, device, run_dir, lock, data, eval_data, dataset)
+    except BaseException:  # the run directory is not left locked by a build that failed
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _build_in(cfg, plan, dist, device, run_dir, lock, data, eval_data, dataset) -> Run:
+    """`build_run`'s part inside the run directory: models, plugins, the data's tokenizer."""
     dist.barrier()  # the run directory exists for every rank from here on
     status = Status(dist.is_main)
     with status.phase(f"loading models from {cfg.models.actor.path} on {device}") as took:

@@ -114,18 +114,20 @@ class Pipeline(RunState):
     values_from_rollout = property(lambda self: self.plan.values == "rollout")
 
     def _settle(self, plan: RunPlan) -> RunPlan:
-        """The plan's second step (`settle`, once the models and plugins exist), said and
-        recorded in the run directory (``plan.json``)."""
+        """The plan's second step (`settle`, once the models and plugins exist), said (`train`
+        records it in the run directory: ``plan.json``)."""
         plan = settle(plan, self.cfg, self.models, self.plugins, self.dist)
         for line in plan.reward_lines:  # which convention each reward function was read as
             self.status.say(line)
         if plan.scoring is Scoring.SAMPLING:
             self.status.say("old log-probs: from the sampling pass (no actor forward in scoring; "
                             "rollout_correction.old_log_prob)")
+        return plan
+
+    def _record_plan(self) -> None:
         if self.dist.is_main:
             with writing(self.run_dir, "plan.json"):
-                (self.run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-        return plan
+                (self.run_dir / "plan.json").write_text(json.dumps(self.plan.to_dict(), indent=1))
 
     def _evaluator(self) -> Evaluator | None:
         """Held-out evaluation of ``eval.prompts`` (None without), sampling through the run's
@@ -247,7 +249,7 @@ class Pipeline(RunState):
         setting = self.cfg.data.dynamic_sampling
         if not setting.enabled:
             return batch, t_rollout, t_score, ahead.metrics() if ahead else {}
-        groups = GroupFilter(self.cfg.data.batch_size, setting.max_rounds)
+        groups = GroupFilter(self.cfg.data.batch_size, setting.max_rounds, dist=self.dist)
         while groups.add(batch):
             batch, more_rollout, more_score = self._rollout()
             t_rollout, t_score = t_rollout + more_rollout, t_score + more_score
@@ -330,13 +332,21 @@ class Pipeline(RunState):
         metrics and samples, checkpoints), then save the final policy. Resuming a run
         whose ``final/`` is at ``run.steps`` already says so and trains nothing. A callback that
         sets ``stopped_by`` (health, for ``health.stop_on``) stops the run after a checkpoint,
-        without ``final/``."""
+        without ``final/``. The run directory's lock is released however it ends."""
+        try:
+            return self._train(callbacks)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _train(self, callbacks: list | None) -> Path:
         if self.resume:
             done = build.finished_message(self.cfg, resume=True)
             if done:
                 print(done)
                 return self.run_dir
             self._restore()
+        self._record_plan()  # after a resume is accepted: a refused one changes no file
         with Hooks(self, default_callbacks(self, callbacks or ())) as hooks:
             if self.step_count == 0:
                 self._pretrain_critic()
@@ -360,8 +370,6 @@ class Pipeline(RunState):
         if self.evaluator is not None:
             self.evaluator.close()  # its environments' worker threads
             close_collector(self.evaluator.collector)
-        if self.lock is not None:
-            self.lock.release()
         return self.run_dir
 
 

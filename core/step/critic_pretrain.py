@@ -115,26 +115,6 @@ MAX_SECONDS = 3600.0   # and at most this long
 PROGRESS_S = 30.0      # a long collection says how far it got this often
 
 
-def check_settings(train) -> None:
-    """``train.critic_pretrain_epochs`` changed without ``critic_pretrain_rollouts`` (nothing to
-    pretrain on: the setting would do nothing) is one `UserError`.
-
-    >>> from types import SimpleNamespace as NS
-    >>> check_settings(NS(critic_pretrain_rollouts=0, critic_pretrain_epochs=3))
-    >>> check_settings(NS(critic_pretrain_rollouts=0, critic_pretrain_epochs=5))
-    Traceback (most recent call last):
-    rlpipe.core.base.errors.UserError: train.critic_pretrain_epochs: 5 passes over no rollouts: critic pretraining runs only with train.critic_pretrain_rollouts > 0 (e.g. 96); set it, or leave critic_pretrain_epochs out
-    """
-    if not train.critic_pretrain_rollouts and train.critic_pretrain_epochs != DEFAULT_EPOCHS:
-        raise UserError(f"train.critic_pretrain_epochs: {train.critic_pretrain_epochs} passes over "
-                        f"no rollouts: critic pretraining runs only with "
-                        f"train.critic_pretrain_rollouts > 0 (e.g. 96); set it, or leave "
-                        f"critic_pretrain_epochs out")
-
-
-DEFAULT_EPOCHS = 3   # settings' default of train.critic_pretrain_epochs
-
-
 def check_weights(scorer: RewardComposer) -> None:
     """The rewards that score prefixes, all at weight 0, would pretrain on all-zero targets:
     one `UserError`."""

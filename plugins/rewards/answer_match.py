@@ -149,14 +149,15 @@ class AnswerMatch(nn.Module):
         tolerance: numbers match within this (relative beyond 1)
         format_reward: reward for an answer present but wrong (0: none); a match gets 1
 
-    >>> AnswerMatch.contract(column="solution")
-    RewardContract(columns=('solution',), scores_prefixes=False)
+    >>> contract = AnswerMatch.contract(column="solution")
+    >>> contract.columns, contract.check_values == AnswerMatch.check_column
+    (('solution',), True)
     """
 
     @classmethod
     def contract(cls, column: str = "answer", **args) -> RewardContract:
         """It reads the dataset column ``column`` (checked against the data before step 1)."""
-        return RewardContract(columns=(column,))
+        return RewardContract(columns=(column,), check_values=cls.check_column)
 
     @classmethod
     def check_column(cls, values: list, column: str = "answer", where: str = "data.prompts",
