@@ -134,7 +134,7 @@ def run(config_path, overrides, overwrite, no_progress, resume):
             click.echo(done)
         return
     if cfg.distributed.nproc * cfg.distributed.nnodes > 1 and not distributed.launched():
-        from rlpipe.core.run.launch import check_before_launch, launch
+        from rlpipe.tools.launch import check_before_launch, launch
 
         check_before_launch(cfg)
         check_run_dir(cfg, overwrite, resume)  # user errors here, before any process starts
@@ -224,7 +224,7 @@ def check(config_path, overrides):
     with the trainer's. Exit status 1 when they differ beyond run.preflight_max_kl or
     run.preflight_max_gap, 2 for a bad config (as every command)."""
     from rlpipe.core.config.settings import load_config
-    from rlpipe.core.run.pipeline import check_config
+    from rlpipe.tools.check import check_config
     from rlpipe.core.run.preflight import PreflightFailed
 
     cfg = load_config(config_path, overrides)

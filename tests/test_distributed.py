@@ -262,7 +262,7 @@ def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch):
     worker's 'invalid device ordinal' traceback (torch's CUDA queries faked: CI has no GPU)."""
     from rlpipe.core.config.settings import load_config
     from rlpipe.core.base.errors import UserError
-    from rlpipe.core.run.launch import check_before_launch
+    from rlpipe.tools.launch import check_before_launch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -338,7 +338,7 @@ def test_the_launcher_reports_the_rank_that_printed_an_error(tmp_path, capsys, r
     the launcher prints rank 1's own error line once and exits 2."""
     from types import SimpleNamespace
 
-    from rlpipe.core.run.launch import _report
+    from rlpipe.tools.launch import _report
 
     log = tmp_path / "run" / "attempt_0" / "1" / "stderr.log"
     log.parent.mkdir(parents=True)
@@ -352,7 +352,7 @@ def test_the_launcher_reports_the_rank_that_printed_an_error(tmp_path, capsys, r
 def test_the_launcher_keeps_a_crashing_workers_traceback(tmp_path, capsys):
     from types import SimpleNamespace
 
-    from rlpipe.core.run.launch import _report
+    from rlpipe.tools.launch import _report
 
     log = tmp_path / "run" / "attempt_0" / "1" / "stderr.log"
     log.parent.mkdir(parents=True)

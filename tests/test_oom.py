@@ -158,7 +158,7 @@ def test_evaluation(tmp_path, monkeypatch):
 
 def test_rlpipe_check_explains_it_too(tmp_path, monkeypatch):
     from rlpipe.core.models import lm as models
-    from rlpipe.core.run.pipeline import check_config
+    from rlpipe.tools.check import check_config
 
     monkeypatch.setattr(models, "_forward", failing(models._forward))
     cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "run.device=cpu"])

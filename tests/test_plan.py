@@ -19,7 +19,7 @@ from rlpipe.core.base import schema as S
 from rlpipe.core.config import compose
 from rlpipe.core.config import plan as planning
 from rlpipe.core.config.plan import Scoring, plan_run
-from rlpipe.core.run import pipeline
+from rlpipe.tools import check
 from rlpipe.core.run.pipeline import Pipeline
 from tests.test_trainer import TINY, tiny
 
@@ -71,11 +71,14 @@ def test_a_pipeline_plans_once_settles_and_records_the_plan(tmp_path, monkeypatc
     assert pipe.plan.settled and pipe.plan.scoring is Scoring.SAMPLING and pipe.old_from_sampling
     assert pipe.ctx.max_new_tokens == pipe.plan.budgets.new_tokens == 24  # before any plugin
     assert (pipe.kl.where, pipe.kl.estimator) == ("reward", "k1")
+    batch, _ = pipe.step()
+    assert S.ACTOR_LOG_PROB not in batch.keys()  # taken as old_log_prob in stage 2
+    pipe = Pipeline(tiny(tmp_path / "trained", "run.steps=1"), progress=False)
+    assert not (pipe.run_dir / "plan.json").exists()  # written once training starts
+    pipe.train()
     recorded = json.loads((pipe.run_dir / "plan.json").read_text())
     assert recorded == json.loads(json.dumps(pipe.plan.to_dict()))
     assert recorded["scoring"] == "sampling" and recorded["kl"]["in"] == "reward"
-    batch, _ = pipe.step()
-    assert S.ACTOR_LOG_PROB not in batch.keys()  # taken as old_log_prob in stage 2
 
 
 class Undeclared(TensorDictModuleBase):
@@ -111,7 +114,7 @@ def test_rlpipe_check_prints_the_plan(tmp_path):
     lines = []
     cfg = tiny(tmp_path / "run", "collector.max_new_tokens=4", "data.batch_size=2",
                "train.minibatches=1")
-    pipeline.check_config(cfg, echo=lines.append)
+    check.check_config(cfg, echo=lines.append)
     assert lines[0].startswith("plan (derived from the config")
     assert "scoring: sampling" in lines[0] and "new_tokens: 4" in lines[0]
     assert not (tmp_path / "run").exists()

@@ -175,8 +175,7 @@ class KLConfig:
               "the loss term loss_kl; "
               "null: where the advantage declares (loss for grpo, rloo; reward for gae, "
               "reinforce_pp)", yaml="in")
-    target: float | None = num(None, "> 0", "set: adaptive beta towards this KL (Ziegler et al. "
-                                            "2019)")
+    target: float | None = num(None, "> 0", "set: adaptive beta towards this KL (Ziegler 2019)")
     horizon: int = num(10000, ">= 1", "the adaptive controller's horizon")
 
 
@@ -344,9 +343,8 @@ class Config:
                                   factory=lambda: PluginConfig("gae"))
     loss: PluginConfig = opt(help="the loss plugin and its arguments",
                              factory=lambda: PluginConfig("ppo"))
-    environment: PluginConfig | None = opt(None, "multi-turn: the environment plugin (tools, or "
-                                                 "your own) that answers each model turn; null: "
-                                                 "one response per prompt")
+    environment: PluginConfig | None = opt(None, "multi-turn: the environment answering each "
+                                                 "model turn (tools, or yours); null: one turn")
     reward: RewardSettings = opt(help="settings of the summed score", factory=RewardSettings)
     kl: KLConfig = opt(help="the KL penalty to the reference", factory=KLConfig)
     rollout: RolloutConfig = opt(help="when rollouts are sampled (one-step off-policy)",
@@ -386,9 +384,8 @@ def _dump(obj):
 def load_config(source, overrides=()) -> Config:
     """Read a YAML config (a path), or take a dict of the same shape or a `Config`, apply
     ``KEY=VALUE`` overrides, and check every key, type, range, file and plugin argument, and the
-    rules between keys (`rlpipe.core.config.checks`) and the plugins' contracts (the run's plan,
-    `rlpipe.core.config.plan.plan_run`, derived and dropped: the config is not written), before
-    any model is built. A dict's relative paths are relative to the working directory.
+    rules between keys and the plugins' contracts (`rlpipe.core.config.plan.plan_run`, not
+    written back), before any model is built; a dict's relative paths: the working directory.
 
     >>> cfg = load_config({"models": {"actor": {"path": "examples/tiny/model", "init": "random"}},
     ...                    "data": {"prompts": "examples/tiny/prompts.txt"}}, ["run.steps=2"])

@@ -7,7 +7,7 @@ losses are normalised by the global token count (divided by the world size, sinc
 gradients over ranks). Rank 0 writes metrics, checkpoints and the final policy. NCCL on GPU, gloo
 on CPU.
 
-    rlpipe run CONFIG distributed.nproc=2          # launches torchrun itself (core/run/launch.py)
+    rlpipe run CONFIG distributed.nproc=2          # launches torchrun itself (rlpipe/tools/launch.py)
     torchrun --nproc_per_node=2 -m rlpipe.cli run CONFIG   # or by hand / a scheduler: joins it
 
 >>> Dist().world, Dist().is_main
@@ -217,7 +217,7 @@ def _job_env() -> tuple[int, int, int]:
     return rank, world, local
 
 
-LAUNCHER_ENV = "RLPIPE_LAUNCHED"   # set by core/run/launch.py for its workers
+LAUNCHER_ENV = "RLPIPE_LAUNCHED"   # set by rlpipe.tools.launch for its workers
 LOST_PEER_EXIT = 3                 # a worker that stopped because another one failed
 _LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|timeout|"
                    r"NCCL communicator was aborted|ProcessGroup.*(aborted|shut ?down)")
