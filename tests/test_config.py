@@ -168,3 +168,12 @@ def test_rlpipe_device_env_replaces_run_device_unless_overridden(monkeypatch):
     assert load_config(TINY / "config.yaml", ["run.device=cpu"]).run.device == "cpu"
     monkeypatch.delenv("RLPIPE_DEVICE")
     assert load_config(TINY / "config.yaml").run.device == "cpu"
+
+
+def test_overrides_as_pairs_are_taken_and_other_shapes_are_one_line():
+    """Issue 54: `load_config` with overrides as (KEY, VALUE) pairs raised a traceback."""
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
+    assert load_config(tiny, [("run.steps", 3), "run.seed=4"]).run.steps == 3
+    for bad in ("run.steps=3", [3], [("run.steps",)]):
+        with pytest.raises(UserError, match=r"^overrides?"):
+            load_config(tiny, bad)

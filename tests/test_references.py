@@ -60,7 +60,7 @@ def test_reward_by_module_and_function(tmp_path, monkeypatch, ctx):
     assert section.resolved.spec.label == "my_rewards:brevity (not from an installed distribution)"
     assert scores(cfg, ctx) == [2.0, 0.0]  # 2 x brevity(limit=3)
     with pytest.raises(UserError, match=r"^rewards\.0\.limt: unknown argument for plugin "
-                                        r"my_rewards:brevity .*; accepted: limit$"):
+                                        r"my_rewards:brevity .*; accepted: limit, columns$"):
         load_config(write_config(tmp_path, [{"name": "my_rewards:brevity", "limt": 3}]))
     with pytest.raises(UserError, match=r"^rewards\.0\.limit: expected int, got str 'x'"):
         load_config(write_config(tmp_path, [{"name": "my_rewards:brevity", "limit": "x"}]))

@@ -286,9 +286,23 @@ def _yaml_problem(exc: Exception) -> tuple[str, str]:
 
 
 def parse_overrides(overrides) -> dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> ``{"a.b": 1, "c": "x"}``; values are parsed as YAML scalars."""
+    """``["a.b=1", "c=x"]`` -> ``{"a.b": 1, "c": "x"}``; values are parsed as YAML scalars. A
+    ``(KEY, VALUE)`` pair (Python) sets the value as given.
+
+    >>> parse_overrides(["run.steps=2", ("run.seed", 3)])
+    {'run.steps': 2, 'run.seed': 3}
+    """
+    if isinstance(overrides, (str, bytes)) or not isinstance(overrides, (list, tuple)):
+        raise UserError(f"overrides: a list of KEY=VALUE strings (or (KEY, VALUE) pairs), got "
+                        f"{type(overrides).__name__} {str(overrides)[:60]!r}")
     parsed = {}
     for item in overrides:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            parsed[item[0].strip()] = item[1]
+            continue
+        if not isinstance(item, str):
+            raise UserError(f"override {item!r}: expected a KEY=VALUE string or a (KEY, VALUE) "
+                            f"pair, got {type(item).__name__}")
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise UserError(f"override {item!r} is not KEY=VALUE (for example run.steps=20)")

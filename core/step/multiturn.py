@@ -93,7 +93,7 @@ def check_template(render: Renderer, label: str) -> None:
             raise UserError(f"{label}: the tokenizer's chat template rewrites earlier turns when a "
                             f"{turns[n - 1]['role']} message is appended, so the token ids the model "
                             f"sampled could not be kept; use an append-only template "
-                            f"(models.actor.chat_template or another tokenizer)")
+                            f"(a tokenizer whose chat template only appends)")
 
 
 def observation(render: Renderer, row: Row, action_text: str, new: list, eos_text: str,

@@ -351,7 +351,7 @@ class BoundaryDrift(Rule):
     panel = "env"
     remedy = ("the rows' turn boundaries differ from the chat template's rendering (a dropped "
               "turn separator, a template other than the tokenizer's): check "
-              "models.actor.chat_template and the environment's messages (their roles, a "
+              "the tokenizer's chat template and the environment's messages (their roles, a "
               "trailing newline); samples/step-N.jsonl shows each conversation's receipt")
 
     def check(self, h: History) -> str | None:
