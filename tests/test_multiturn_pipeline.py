@@ -13,6 +13,7 @@ from tests.conftest import CHAT_TEMPLATE, final_weights, logged_metrics
 from rlpipe import load_config, train
 from rlpipe.core.base import schema as S
 from rlpipe.core.base.errors import UserError
+from rlpipe.core.config.plan import plan_run
 from rlpipe.core.contracts.environment import EnvironmentContract
 from rlpipe.core.run.pipeline import Pipeline
 from rlpipe.plugins.collectors.hf import HFCollector
@@ -117,7 +118,6 @@ def test_the_tool_lookup_example_loads_and_its_tool_answers(monkeypatch):
     monkeypatch.chdir(ROOT)   # the config names its tool as a module of the repository
     cfg = load_config(ROOT / "examples" / "tool_lookup" / "config.yaml")
     assert cfg.environment.name == "tools"
-    from rlpipe.core.config.plan import plan_run
     contract = plan_run(cfg).environment_contract
     assert [t["function"]["name"] for t in contract.tools] == ["lookup"]
     rows = [json.loads(x) for x in (ROOT / "examples/tool_lookup/test.jsonl").read_text().splitlines()]

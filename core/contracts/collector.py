@@ -39,7 +39,7 @@ from __future__ import annotations
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.base.truncation import Truncation
 from rlpipe.core.contracts import registry
-from rlpipe.core.contracts.kinds import CollectorContract
+from rlpipe.core.contracts.kinds import CollectorContract, declared_contract
 
 __all__ = ["CollectorContract", "contract_of", "close_collector", "request_actor_log_prob",
            "sampling_view", "request_hidden"]
@@ -50,17 +50,7 @@ def contract_of(collector, args: dict, label: str) -> CollectorContract:
     constructor arguments ``args``; what ``contract`` raises, returns of the wrong type or with
     values out of range is one line naming ``label``."""
     declare = registry.declared("collectors", collector, "contract")
-    if declare is None:
-        return CollectorContract()
-    with registry.calling(label, "contract"):
-        contract = declare(**args)
-    if not isinstance(contract, CollectorContract):
-        raise UserError(f"{label}: contract() must return a CollectorContract, got "
-                        f"{type(contract).__name__}")
-    problem = contract.problem()
-    if problem:
-        raise UserError(f"{label}: contract(): {problem}")
-    return contract
+    return declared_contract(declare, args, label, CollectorContract)
 
 
 def _method(collector, name: str):

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.base.toolcalls import FORMATS
 from rlpipe.core.contracts import registry
+from rlpipe.core.contracts.kinds import declared_contract
 
 
 class StopReason(str, enum.Enum):
@@ -109,17 +110,7 @@ def contract_of(environment, args: dict, label: str) -> EnvironmentContract:
     ``args`` (no ``contract``: `EnvironmentContract`'s defaults); what ``contract`` raises, a
     return of the wrong type, or values out of range is one line naming ``label``."""
     declare = getattr(environment, "contract", None)
-    if declare is None:
-        return EnvironmentContract()
-    with registry.calling(label, "contract"):
-        contract = declare(**args)
-    if not isinstance(contract, EnvironmentContract):
-        raise UserError(f"{label}: contract() must return an EnvironmentContract, got "
-                        f"{type(contract).__name__}")
-    problem = contract.problem()
-    if problem:
-        raise UserError(f"{label}: contract(): {problem}")
-    return contract
+    return declared_contract(declare, args, label, EnvironmentContract)
 
 
 _LOOP: asyncio.AbstractEventLoop | None = None

@@ -254,6 +254,24 @@ def _legacy(obj, kind: type, label: str):
     return kind(**found)
 
 
+def declared_contract(declare, args: dict, label: str, kind: type):
+    """What a plugin's ``contract`` (``declare``; None: ``kind()``'s defaults) gives for its
+    constructor arguments ``args``, checked: what it raises, a return that is not a ``kind``, or
+    values out of range (``kind.problem()``) is one line naming ``label``. Collectors and
+    environments declare this way."""
+    if declare is None:
+        return kind()
+    with registry.calling(label, "contract"):
+        contract = declare(**args)
+    if not isinstance(contract, kind):
+        raise UserError(f"{label}: contract() must return a {kind.__name__}, got "
+                        f"{type(contract).__name__}")
+    problem = contract.problem()
+    if problem:
+        raise UserError(f"{label}: contract(): {problem}")
+    return contract
+
+
 def _checked(contract, label: str):
     problem = contract.problem()
     if problem:
