@@ -41,9 +41,10 @@ from rlpipe.core.base.errors import UserError
 from rlpipe.core.base.hub import ModelPath
 from rlpipe.core.base.ops import masked_mean, masked_whiten
 from rlpipe.core.base.schema import (ACTION_MASK, ACTOR_LOG_PROB, ADVANTAGE, CONVERSATION, DATA,
-                                     ENGINE_HIDDEN, ENGINE_LOG_PROB, ENTROPY, FINISHED, GROUP_ID,
-                                     LOG_PROB, NUM_SEQS, NUM_TOKENS, NUM_TURNS, OLD_LOG_PROB,
-                                     PROMPT_IDS, PROMPT_MASK, PROMPT_MESSAGES, PROMPT_TEXT,
+                                     ENGINE_HIDDEN, ENGINE_LOG_PROB, ENTROPY, ENV, FINISHED,
+                                     GROUP_ID, LOG_PROB, NUM_SEQS, NUM_TOKENS, NUM_TURNS,
+                                     OLD_LOG_PROB, PROMPT_IDS, PROMPT_MASK, PROMPT_MESSAGES,
+                                     PROMPT_TEXT,
                                      REF_LOG_PROB, RESPONSE_IDS, RESPONSE_MASK, RESPONSE_TEXT,
                                      REWARD, ROLLOUT_IS_WEIGHT, SCORE, SCORE_PARTS, STOP_REASON,
                                      TURN_ID, TURN_REWARD, VALUE, VALUE_PRED, VALUE_TARGET)
@@ -69,7 +70,7 @@ __all__ = [
     "ENGINE_HIDDEN", "ACTOR_LOG_PROB", "OLD_LOG_PROB", "REF_LOG_PROB", "VALUE", "SCORE",
     "SCORE_PARTS", "DATA", "REWARD", "ADVANTAGE", "VALUE_TARGET", "ROLLOUT_IS_WEIGHT",
     "LOG_PROB", "ENTROPY", "VALUE_PRED", "NUM_TOKENS", "NUM_SEQS", "ACTION_MASK", "TURN_ID",
-    "TURN_REWARD", "NUM_TURNS", "STOP_REASON", "CONVERSATION", "STOP_REASONS", "action_mask",
+    "TURN_REWARD", "NUM_TURNS", "STOP_REASON", "CONVERSATION", "ENV", "STOP_REASONS", "action_mask",
     # contracts
     "CollectorContract", "AdvantageContract", "RewardContract", "LossContract",
     "advantage_contract", "reward_contract", "EnvironmentContract",

@@ -103,7 +103,7 @@ def test_config_prints_every_plugin_argument():
 def test_explain_environment_documents_the_section_and_the_tools_arguments():
     out = CliRunner().invoke(main, ["config", "--explain", "environment"])
     assert out.exit_code == 0, out.output
-    assert out.output.startswith("environment: section\n  multi-turn: the environment plugin")
+    assert out.output.startswith("environment: section\n  multi-turn: the environment answering")
     assert "environment.name: str, default required\n" in out.output
     tools = plugin_settings("environments", "tools", "environment.")
     assert tools and all(f"{s.key}: " in out.output and s.help in out.output for s in tools)

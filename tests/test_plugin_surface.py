@@ -31,7 +31,7 @@ SURFACE = [
     "explained_var", "explained_var_sums", "global_count", "kl", "masked_mean", "masked_whiten",
     "num", "pad_rows", "reward_contract", "schema",
     # environments (issue 51)
-    "EnvironmentContract", "STOP_REASONS", "ToolCall", "action_mask", "call_env", "parse_tool_calls",
+    "ENV", "EnvironmentContract", "STOP_REASONS", "ToolCall", "action_mask", "call_env", "parse_tool_calls",
 ]
 
 

@@ -31,6 +31,8 @@ TURN_REWARD = "turn_reward"      # [B, T] float, multi-turn: the environment's r
 NUM_TURNS = "num_turns"          # [B] long, multi-turn: the policy's turns in the conversation
 STOP_REASON = "stop_reason"      # [B] long, multi-turn: index into STOP_REASONS
 CONVERSATION = "conversation"    # [B] non-tensor, multi-turn: the conversation's chat messages
+ENV = "env"                      # ("env", NAME) [B], multi-turn: tool_calls, tool_errors, timeouts,
+                                 # receipt (index into RECEIPTS), error (non-tensor str)
 GROUP_ID = "group_id"            # [B] long: index of the prompt a sample came from
 FINISHED = "finished"            # [B] bool: ended with EOS (false: cut at max_new_tokens)
 ENGINE_LOG_PROB = "engine_log_prob"  # [B, R] float: log-probs reported by the engine

@@ -170,7 +170,7 @@ def turn_fields(batch) -> list[dict]:
     size = batch.batch_size[0]
     if S.CONVERSATION not in batch.keys():
         return [{} for _ in range(size)]
-    env = batch["env"]
+    env = batch[S.ENV]
     counts = {k: env[k].tolist() for k in env.keys()
               if k != "receipt" and isinstance(env[k], torch.Tensor)}
     errors = env["error"] if "error" in env.keys() else [""] * size

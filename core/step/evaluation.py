@@ -92,7 +92,7 @@ def _env_metrics(samples: list[dict]) -> dict[str, float]:
         S.RESPONSE_MASK: at < length[:, None], S.ACTION_MASK: at < actions[:, None],
         S.NUM_TURNS: torch.tensor([s["turns"] for s in samples]),
         S.STOP_REASON: torch.tensor([S.STOP_REASONS.index(s["stop_reason"]) for s in samples]),
-        "env": {"receipt": torch.tensor([S.RECEIPTS.index(s["receipt"]) for s in samples]),
+        S.ENV: {"receipt": torch.tensor([S.RECEIPTS.index(s["receipt"]) for s in samples]),
                 **{k: torch.tensor([s["env"][k] for s in samples]) for k in samples[0]["env"]}},
     }, batch_size=[len(samples)])
     return {f"eval/{name}": value for name, value in env_metrics(batch).items()}

@@ -283,15 +283,15 @@ class MultiTurn:
             S.STOP_REASON: torch.tensor([S.STOP_REASONS.index(c.stop or "max_turns") for c in convs]),
             S.GROUP_ID: torch.arange(B // n).repeat_interleave(n),
             S.FINISHED: torch.tensor([c.stop == "done" for c in convs]),
-            "env": {key: torch.tensor([c.counts[key] for c in convs]) for key in _COUNTS},
+            S.ENV: {key: torch.tensor([c.counts[key] for c in convs]) for key in _COUNTS},
         }, batch_size=[B], device=self.collector.device)
-        batch["env", "receipt"] = torch.tensor(
+        batch[S.ENV, "receipt"] = torch.tensor(
             [RECEIPTS.index(receipt(self.render, c.messages, c.pieces, self.eos_text)) for c in convs],
             device=self.collector.device)
         batch[S.PROMPT_TEXT] = NonTensorStack(*(_first_user(c.messages) for c in convs))
         batch[S.RESPONSE_TEXT] = NonTensorStack(*(_last_reply(c.messages) for c in convs))
         batch[S.CONVERSATION] = NonTensorStack(*(c.messages for c in convs))
-        batch["env", "error"] = NonTensorStack(*(c.error for c in convs))
+        batch[S.ENV, "error"] = NonTensorStack(*(c.error for c in convs))
         return batch
 
     def close(self) -> None:
@@ -313,9 +313,9 @@ def env_metrics(batch) -> dict[str, float]:
     out = {"env/turns": batch[S.NUM_TURNS].float().mean().item(),
            "env/obs_token_frac": (tokens - actions) / max(tokens, 1)}
     for key in _COUNTS:
-        out[f"env/{key}"] = batch["env", key].float().mean().item()
+        out[f"env/{key}"] = batch[S.ENV, key].float().mean().item()
     for i, name in enumerate(RECEIPTS):
-        out[f"env/receipt/{name}"] = (batch["env", "receipt"] == i).float().mean().item()
+        out[f"env/receipt/{name}"] = (batch[S.ENV, "receipt"] == i).float().mean().item()
     for i, name in enumerate(S.STOP_REASONS):
         out[f"env/stop/{name}"] = (batch[S.STOP_REASON] == i).float().mean().item()
     return out
