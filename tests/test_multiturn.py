@@ -13,7 +13,7 @@ from rlpipe.core.base import schema as S
 from rlpipe.core.base.context import RunContext
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.contracts.environment import EnvironmentContract
-from rlpipe.core.step.multiturn import RECEIPTS, MultiTurn, env_metrics
+from rlpipe.core.step.multiturn import RECEIPTS, MultiTurn, Renderer, env_metrics, receipt
 from rlpipe.plugins.collectors.hf import HFCollector
 from rlpipe.plugins.environments.tools import ToolsEnvironment
 
@@ -195,3 +195,24 @@ def test_the_hf_collector_runs_turns_as_a_shrinking_batch(ctx):
     assert (batch[S.ENGINE_LOG_PROB][action] < 0).all()
     assert (response.sum(-1) <= 40).all() and (batch[S.NUM_TURNS] >= 1).all()
     assert batch[S.GROUP_ID].tolist() == [0, 0, 1, 1]
+
+
+def test_a_receipt_walks_the_row_past_worked_examples_in_the_prompt():
+    """Worked conversations in the prompt hold assistant messages too (the tool_lookup example):
+    the receipt pairs the row's actions with the rendering in order, not with the first
+    assistant messages of the conversation (that paired them with the examples: 100% boundary
+    drift on SmolLM2)."""
+    tok = chatml_tokenizer()
+    render = Renderer(tok)
+    shot = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": CALL},
+            {"role": "tool", "content": "5"}, {"role": "assistant", "content": "It is 5."}]
+    messages = shot + shot
+    prompt = render(messages[:5], True)
+    obs = "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    row = [("text", prompt), ("action", CALL, True, True), ("text", obs),
+           ("action", "It is 5.", True, True)]
+    assert receipt(render, messages, row, "<|im_end|>") == "exact"
+    dropped = [row[0], row[1], ("text", obs.lstrip("\n")), row[3]]   # the separator lost
+    assert receipt(render, messages, dropped, "<|im_end|>") == "boundary_drift"
+    assert receipt(render, messages, row[:3] + [("action", "It is 5.", True, False)],
+                   "<|im_end|>") == "assistant_drift"

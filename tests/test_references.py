@@ -156,3 +156,12 @@ def test_plugin_swap_through_the_cli():
     assert result.exit_code == 0, result.output
     assert yaml.safe_load(result.stdout)["advantage"] == {"name": "rloo", "whiten": False}  # + defaults
     assert "dropped advantage.gamma, advantage.lmbda (not arguments of rloo)" in result.stderr
+
+
+def test_changing_the_loss_says_which_arguments_it_kept(capsys):
+    """Issue 54: `loss.name=gspo` on a PPO config kept PPO's clip_low (0.2, 670x GSPO's) without a
+    word; now every argument kept from the file is named on the warning line."""
+    load_config(TINY, ["loss.name=gspo"])
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["warning: loss.name=gspo: kept loss.clip_low=0.2, loss.vf_coef=0.5 from the "
+                   "config: check each means what you want for gspo"]

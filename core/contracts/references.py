@@ -193,6 +193,10 @@ def drop_foreign_args(section, key: str, group: str, cli_keys) -> None:
                if arg not in params and f"{key}.{arg}" not in cli_keys]
     for arg in foreign:
         del section.args[arg]
-    if foreign and os.environ.get("RANK", "0") == "0":
-        print(f"warning: {key}.name={section.name}: dropped {', '.join(f'{key}.{a}' for a in foreign)}"
-              f" (not arguments of {section.name})", file=sys.stderr)
+    kept = [arg for arg in plugin_args(section) if f"{key}.{arg}" not in cli_keys]
+    if (foreign or kept) and os.environ.get("RANK", "0") == "0":
+        said = [f"dropped {', '.join(f'{key}.{a}' for a in foreign)} (not arguments of "
+                f"{section.name})"] if foreign else []
+        said += [f"kept {', '.join(f'{key}.{a}={section.args[a]!r}' for a in kept)} from the "
+                 f"config: check each means what you want for {section.name}"] if kept else []
+        print(f"warning: {key}.name={section.name}: {'; '.join(said)}", file=sys.stderr)

@@ -114,29 +114,25 @@ def receipt(render, messages: list, pieces: list[tuple], eos_text: str) -> str:
     """``exact``, ``assistant_drift`` or ``boundary_drift`` for a row built from ``pieces``:
     ``("text", TEXT)`` (the prompt, observations) and ``("action", CONTENT, BY_EOS, SAME_IDS)``
     (an action's words, whether it ended with the EOS token, whether the words re-encode to the
-    sampled ids). The row's text outside the actions must equal the template's rendering of
-    ``messages`` outside the assistant contents (an EOS the action wrote counts as the action's)."""
-    built, actions = [""], []
+    sampled ids). Walking ``render(messages, False)``, each text piece must come next, then each
+    action's words (an EOS the action wrote counts as the action's); the row may stop before the
+    rendering's last closing."""
+    rendered, pos = render(messages, False), 0
     for piece in pieces:
         if piece[0] == "text":
-            built[-1] += piece[1]
-        else:
-            actions.append(piece)
-            built.append("")
-    rendered, pos, redone = render(messages, False), 0, []
-    replies = [m["content"] for m in messages if m["role"] == "assistant"]
-    for (_, content, by_eos, _), reply in zip(actions, replies):
-        at = rendered.find(content, pos) if content == reply else -1
-        if at < 0:
+            if not rendered.startswith(piece[1], pos):
+                return ("exact" if pos + len(piece[1]) > len(rendered)
+                        and piece[1].startswith(rendered[pos:]) and piece is pieces[-1]
+                        else "boundary_drift")
+            pos += len(piece[1])
+            continue
+        _, content, by_eos, _ = piece
+        if not rendered.startswith(content, pos):
             return "boundary_drift"
-        redone.append(rendered[pos:at])
-        pos = at + len(content)
+        pos += len(content)
         if by_eos and rendered.startswith(eos_text, pos):
             pos += len(eos_text)
-    redone.append(rendered[pos:])
-    if built[:-1] != redone[:-1] or not redone[-1].startswith(built[-1]):
-        return "boundary_drift"
-    return "exact" if all(same for *_, same in actions) else "assistant_drift"
+    return "exact" if all(p[3] for p in pieces if p[0] == "action") else "assistant_drift"
 
 
 class MultiTurn:
