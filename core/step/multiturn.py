@@ -274,8 +274,7 @@ class MultiTurn:
             S.ENGINE_LOG_PROB: right([c.logp for c in convs], 0.0, torch.float32),
             S.TURN_REWARD: torch.tensor([c.rewards + [0.0] * (turns - len(c.rewards))
                                          for c in convs], dtype=torch.float32),
-            S.NUM_TURNS: torch.tensor([sum(m["role"] == "assistant" for m in c.messages)
-                                       for c in convs]),
+            S.NUM_TURNS: torch.tensor([sum(p[0] == "action" for p in c.pieces) for c in convs]),
             S.STOP_REASON: torch.tensor([S.STOP_REASONS.index(c.stop or "max_turns") for c in convs]),
             S.GROUP_ID: torch.arange(B // n).repeat_interleave(n),
             S.FINISHED: torch.tensor([c.stop == "done" for c in convs]),
