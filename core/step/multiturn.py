@@ -31,7 +31,8 @@ earlier turns when one is appended is refused at start (`check_template`).
 
 from __future__ import annotations
 
-import concurrent.futures as futures
+import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -153,7 +154,6 @@ class MultiTurn:
         eos = collector.eos_ids[0] if collector.eos_ids else None
         self.eos_ids = set(collector.eos_ids)
         self.eos_text = self.render.decode([eos]) if eos is not None else ""
-        self.pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlpipe-env")
         check_template(self.render, label)
 
     def collect(self, rows: list[dict], seed: int = 0) -> TensorDict:
@@ -215,18 +215,35 @@ class MultiTurn:
                         timeout_s=self.contract.timeout_s)
 
     def _answer(self, rows: list[Row], turn: int) -> None:
-        """The environments answer the actions concurrently, each within the contract's timeout; a
-        step that raises or runs past it ends its row (``tool_error``, ``timeout``)."""
-        jobs = [(c, self.pool.submit(self._step, c)) for c in rows]
-        for c, job in jobs:
+        """The environments answer the actions concurrently (a daemon thread each: a step that
+        never returns cannot hold the process), all within the contract's timeout; a step that
+        raises or runs past it ends its row (``tool_error``, ``timeout``)."""
+        results: dict[int, tuple] = {}
+
+        def run(i: int, c: Row) -> None:
             try:
-                new, reward, done, info = job.result(timeout=self.contract.timeout_s)
-            except (futures.TimeoutError, TimeoutError):
+                results[i] = ("ok", self._step(c))
+            except BaseException as err:  # noqa: BLE001 - handed to the main thread below
+                results[i] = ("error", err)
+
+        threads = [threading.Thread(target=run, args=(i, c), daemon=True, name="rlpipe-env")
+                   for i, c in enumerate(rows)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + self.contract.timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for i, c in enumerate(rows):
+            kind, value = results.get(i, ("error", TimeoutError()))
+            if kind == "error" and isinstance(value, TimeoutError):
                 c.stop, c.counts["timeouts"] = "timeout", c.counts["timeouts"] + 1
                 continue
-            except PluginError as err:  # the environment's own failure ends the row, not the run
-                c.stop, c.error = "tool_error", str(err)
+            if kind == "error" and isinstance(value, PluginError):  # the environment's failure
+                c.stop, c.error = "tool_error", str(value)
                 continue
+            if kind == "error":
+                raise value  # the environment broke its contract: one line, the run stops
+            new, reward, done, info = value
             c.rewards.append(reward)
             for key in _COUNTS:
                 c.counts[key] += int(info.get(key, 0))
@@ -290,7 +307,7 @@ class MultiTurn:
         return batch
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: each step's thread is a daemon that ends with its step."""
 
 
 def _first_user(messages: list) -> str:
