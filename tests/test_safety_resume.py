@@ -15,10 +15,10 @@ from click.testing import CliRunner
 
 from rlpipe.cli import main
 from rlpipe.core.config.settings import load_config
-from rlpipe.core.observe.metrics import MetricsWriter
 from rlpipe.core.run import checkpoint
 from rlpipe.core.run.pipeline import Pipeline
 from tests.conftest import logged_metrics as rows
+from tests.test_resume_faults import Killed, after_row
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
@@ -26,10 +26,6 @@ FAST = ["run.steps=3", "data.batch_size=4", "collector.max_new_tokens=8", "train
         "log.progress=false", f"eval.prompts={ROOT / 'examples' / 'tiny' / 'prompts.txt'}",
         "eval.max_prompts=4", "rollout_correction.mode=tis"]
 STALENESS = [0, 1]
-
-
-class Killed(BaseException):
-    """A kill at this point: `except Exception` cleanup does not run."""
 
 
 @pytest.fixture(autouse=True)
@@ -54,18 +50,6 @@ def references(tmp_path_factory) -> dict:
         return {s: rows(train(tmp_path_factory.mktemp(f"ref{s}") / "run", s)) for s in STALENESS}
     finally:
         torch.set_num_threads(threads)
-
-
-def after_row(step):
-    def install(mp):
-        real = MetricsWriter.write
-
-        def write(self, metrics):
-            real(self, metrics)
-            if metrics["step"] == step:
-                raise Killed
-        mp.setattr(MetricsWriter, "write", write)
-    return install
 
 
 def in_first_checkpoint(mp):

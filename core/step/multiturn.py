@@ -62,7 +62,6 @@ class Row:
     rewards: list[float] = field(default_factory=list)
     counts: dict = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
     stop: str | None = None
-    ended_by_eos: bool = False                         # the last action ended with an EOS token
     error: str = ""                                    # the environment's failure, if it ended the row
 
 
@@ -206,7 +205,6 @@ class MultiTurn:
             c.turn += [turn] * len(sampled)
             c.logp += logp
             c.messages.append({"role": "assistant", "content": content})
-            c.ended_by_eos = by_eos
             if not complete:
                 c.stop = "length"
 
@@ -257,7 +255,7 @@ class MultiTurn:
     def _observe(self, c: Row, new: list, turn: int) -> None:
         """Append the template's rendering of ``new`` to the row (cut at the row's budget)."""
         text = observation(self.render, c, c.messages[-1]["content"], new, self.eos_text,
-                           c.ended_by_eos)
+                           c.pieces[-1][2])  # the action just taken: did it end with EOS
         ids = self.render.encode(text)
         room = self.budget - len(c.ids)
         if len(ids) >= room:
