@@ -116,7 +116,10 @@ def test_single_turn_is_bit_identical_through_the_action_mask_path(tmp_path):
 
 def test_the_tool_lookup_example_loads_and_its_tool_answers(monkeypatch):
     monkeypatch.chdir(ROOT)   # the config names its tool as a module of the repository
-    cfg = load_config(ROOT / "examples" / "tool_lookup" / "config.yaml")
+    # the tiny model stands in for SmolLM2 (a quickstart-tier package, not installed in the main
+    # tier); this test reads the environment, the tool and the data, not the model
+    cfg = load_config(ROOT / "examples" / "tool_lookup" / "config.yaml",
+                      [f"models.actor.path={TINY / 'model'}"])
     assert cfg.environment.name == "tools"
     contract = plan_run(cfg).environment_contract
     assert [t["function"]["name"] for t in contract.tools] == ["lookup"]
