@@ -81,9 +81,9 @@ def boom(a: int) -> int:
 
 
 def run(replies, env=lambda: ToolsEnvironment([add, boom]), contract=EnvironmentContract(max_turns=4),
-        budget=200, tok=None, prompts=("What is 2 + 3?",)):
+        budget=200, tok=None, prompts=("What is 2 + 3?",), max_new_tokens=64):
     tok = tok or chatml_tokenizer()
-    engine = ScriptedEngine(tok, replies)
+    engine = ScriptedEngine(tok, replies, max_new_tokens=max_new_tokens)
     rows = [{"prompt": p} for p in prompts]
     engine.starts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                  add_generation_prompt=True),
@@ -136,6 +136,9 @@ def test_max_turns_and_the_row_budget_stop_with_their_own_reasons():
     batch, _, _ = run([[CALL] * 5], budget=40)
     assert S.STOP_REASONS[int(batch[S.STOP_REASON][0])] == "length"
     assert int(batch[S.RESPONSE_MASK].sum()) <= 40
+    batch, _, _ = run([[CALL] * 5], max_new_tokens=5)   # one turn's budget, not the row's
+    assert S.STOP_REASONS[int(batch[S.STOP_REASON][0])] == "turn_length"
+    assert batch[S.NUM_TURNS].tolist() == [1] and int(batch[S.RESPONSE_MASK].sum()) == 5
 
 
 class Hangs:

@@ -52,7 +52,7 @@ ROLLOUT_IS_WEIGHT = "rollout_is_weight"  # [B, R] float, tis/mis only: weight of
                                  # policy-gradient term (rlpipe.core.step.rollout_correction), 0 on padding
 
 # Why a multi-turn conversation ended (``stop_reason`` holds the index).
-STOP_REASONS = ("done", "max_turns", "length", "tool_error", "timeout")
+STOP_REASONS = ("done", "max_turns", "length", "tool_error", "timeout", "turn_length")
 # A multi-turn row's receipt (``("env", "receipt")`` holds the index; rlpipe.core.step.multiturn).
 RECEIPTS = ("exact", "assistant_drift", "boundary_drift")
 

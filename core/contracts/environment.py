@@ -45,9 +45,10 @@ class StopReason(str, enum.Enum):
 
     DONE = "done"              # the environment said done (a final answer)
     MAX_TURNS = "max_turns"    # the contract's max_turns ran out
-    LENGTH = "length"          # a token budget (per turn or the whole row) ran out
+    LENGTH = "length"          # the row's token budget (max_response_tokens) ran out
     TOOL_ERROR = "tool_error"  # the environment could not go on after a tool's failure
     TIMEOUT = "timeout"        # the environment's reset or step ran past timeout_s
+    TURN_LENGTH = "turn_length"  # one turn ran past the collector's max_new_tokens
 
 
 def tool_name(schema) -> str | None:

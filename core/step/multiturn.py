@@ -205,8 +205,8 @@ class MultiTurn:
             c.turn += [turn] * len(sampled)
             c.logp += logp
             c.messages.append({"role": "assistant", "content": content})
-            if not complete:
-                c.stop = "length"
+            if not complete:   # the row's budget, or this turn's max_new_tokens, ran out
+                c.stop = "length" if len(sampled) == left[i] else "turn_length"
 
     def _step(self, c: Row):
         return call_env(c.env.step, c.messages[-1]["content"], label=self.label,
