@@ -27,8 +27,10 @@ from rlpipe.core.base import schema
 from rlpipe.core.config.settings import load_config
 from rlpipe.core.base.context import RunContext
 from rlpipe.core.base.errors import UserError
+from rlpipe.core.contracts.environment import EnvironmentContract
 from rlpipe.core.models.lm import response_logprobs
 from rlpipe.core.run.pipeline import train
+from rlpipe.core.step.multiturn import MultiTurn
 from rlpipe.plugins.collectors.hf import HFCollector
 from rlpipe.plugins.collectors.vllm import VLLMCollector, engine_weights
 from tests.conftest import build_tokenizer
@@ -92,13 +94,11 @@ def sampling(collector, **settings):
     saved = {key: getattr(collector, key) for key in settings}
     for key, value in settings.items():
         setattr(collector, key, tuple(value) if key == "stop_strings" else value)
-    collector.sampling_params = collector._sampling_params()
     try:
         yield collector
     finally:
         for key, value in saved.items():
             setattr(collector, key, value)
-        collector.sampling_params = collector._sampling_params()
 
 
 # --- without vLLM ------------------------------------------------------------------------------
@@ -429,7 +429,7 @@ def test_a_sampling_view_shares_the_engine_and_its_weights(collector, tokenizer,
     seed repeats the view's samples; its close() leaves the engine running."""
     view = collector.sampling_view(1.0, 1)
     assert view.llm is collector.llm and (view.temperature, view.n) == (1.0, 1)
-    assert collector.temperature == 0.0 and collector.sampling_params.seed is None
+    assert collector.temperature == 0.0 and collector.owns_engine and not view.owns_engine
     torch.manual_seed(3)
     first = view.collect(PROMPTS)
     torch.manual_seed(3)
@@ -587,3 +587,34 @@ def test_one_step_off_policy_samples_ahead_in_a_thread_against_the_right_policie
         weight = batch[schema.ROLLOUT_IS_WEIGHT]                   # threshold 100: unclipped
         oracle = torch.exp(old.double() - engine.double())
         torch.testing.assert_close(weight[mask].double(), oracle[mask], rtol=1e-6, atol=0)
+
+
+class Echo:
+    """Answers every turn with the same user line; never done (runs to max_turns)."""
+
+    def reset(self, row, seed):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action):
+        return [{"role": "user", "content": "the cat sat"}], 0.0, False, {}
+
+
+def test_multi_turn_on_the_engine_is_token_in_token_out_like_the_hf_collector(collector, tokenizer,
+                                                                              base_model):
+    """Conversations on the engine, two per prompt: the engine samples one per row each turn (the
+    collector's ``n`` and per-turn cap are read at each call), the same ids as the HF collector's
+    greedy conversations, and its log-probs on the actions equal the trainer's forward."""
+    contract, rows_ = EnvironmentContract(max_turns=3), [{"prompt": p} for p in PROMPTS[:3]]
+    hf = HFCollector(RunContext(tokenizer=tokenizer, actor=base_model), max_new_tokens=8,
+                     temperature=0, n=2)
+    with sampling(collector, n=2):
+        batch = MultiTurn(collector, Echo, contract, tokenizer, 64).collect(rows_)
+        assert collector.n == 2 and collector.max_new_tokens == 8     # restored after each turn
+    expected = MultiTurn(hf, Echo, contract, tokenizer, 64).collect(rows_)
+    assert batch.batch_size == torch.Size([6]) and batch[schema.NUM_TURNS].tolist() == [3] * 6
+    for key in (schema.PROMPT_IDS, schema.RESPONSE_IDS, schema.RESPONSE_MASK, schema.ACTION_MASK,
+                schema.TURN_ID, schema.GROUP_ID):
+        assert torch.equal(batch[key], expected[key]), key
+    trainer, _ = response_logprobs(base_model, *[batch[k] for k in KEYS[:4]], 1.0)
+    gap = (batch[schema.ENGINE_LOG_PROB] - trainer).abs()[batch[schema.ACTION_MASK]]
+    assert gap.max() < 1e-4 and (batch[schema.ENGINE_LOG_PROB][~batch[schema.ACTION_MASK]] == 0).all()

@@ -116,7 +116,6 @@ class VLLMCollector(Collector):
             kv_cache_memory_bytes=None if kv_cache_gb is None else int(kv_cache_gb * 2**30)))
         context = self.llm.llm_engine.model_config.max_model_len
         self.prompt_budget = min(max_prompt_tokens, context - max_new_tokens)
-        self.sampling_params = self._sampling_params()
 
     @property
     def weight_version(self) -> int:
@@ -133,7 +132,6 @@ class VLLMCollector(Collector):
         changes the next one). Its `close` leaves the engine running; the owner's stops it."""
         view = copy.copy(self)
         view.temperature, view.n, view.owns_engine = temperature, n, False
-        view.sampling_params = view._sampling_params()
         return view
 
     def _sampling_params(self, seed: int | None = None):
@@ -173,8 +171,8 @@ class VLLMCollector(Collector):
         from vllm.inputs import TokensPrompt
 
         self._wake()
-        params = self.sampling_params
-        if not self.owns_engine:   # a view: each request its own seed, from torch's RNG
+        params = self._sampling_params()   # the settings as they are now (multi-turn sets n=1
+        if not self.owns_engine:           # and each turn's max_new_tokens for its calls)   # a view: each request its own seed, from torch's RNG
             params = [self._sampling_params(seed)
                       for seed in torch.randint(2**31 - 1, (len(rows),)).tolist()]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=row) for row in rows],
