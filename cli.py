@@ -1,4 +1,4 @@
-"""The ``rlpipe`` command line: run, config, check, plugins, train-rm, report, doctor.
+"""The ``rlpipe`` command line: run, config, check, plugins, train-rm, report, doctor, replay.
 
 A user mistake (bad YAML, unknown key or plugin, missing file) prints one line, ``error: ...``,
 and exits with status 2; ``--debug`` shows the Python traceback instead.
@@ -289,6 +289,27 @@ def doctor(run_dir):
     text, status = examine_run(Path(run_dir))
     click.echo(text)
     sys.exit(status)
+
+
+@main.command()
+@click.argument("run_dir", metavar="RUN_DIR")
+@click.option("--step", type=int, required=True, help="The step whose journal holds the conversation.")
+@click.option("--sample", type=int, required=True, help="The conversation's index in that step.")
+@_user_errors
+def replay(run_dir, step, sample):
+    """Run conversation SAMPLE of step STEP again live from RUN_DIR's tool-call journal; exit 1
+    when a live result differs from the recorded one."""
+    from pathlib import Path
+
+    from rlpipe.tools.replay import replay as replay_conversation
+
+    lines, difference = replay_conversation(Path(run_dir), step, sample)
+    for line in lines:
+        click.echo(line)
+    if difference:
+        click.echo(f"differs: {difference}", err=True)
+        sys.exit(1)
+    click.echo("same: every call matches the journal")
 
 
 @main.command()

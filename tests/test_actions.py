@@ -165,3 +165,24 @@ def test_turn_rewards_land_on_each_turns_last_action_token(seed):
             if last:
                 expected[b, last[-1]] = turn_reward[b, k]
     assert torch.equal(place_turn_rewards(turn_reward, turn_id, actions), expected)
+
+
+def test_turn_rewards_pass_through_uncompacted_when_max_turns_equals_the_width():
+    """``turn_reward`` is [B, max_turns]: with max_turns == R its shape is a token tensor's, and a
+    shape-only pick compacted it along the turns (a per-turn estimator then read scrambled
+    rewards). It reaches the estimator as it is."""
+    seen = {}
+
+    class Reads(TensorDictModuleBase):
+        in_keys, out_keys = [], [ADVANTAGE, VALUE_TARGET]
+
+        def forward(self, td):
+            seen["turn_reward"] = td["turn_reward"].clone()
+            td[ADVANTAGE] = td[VALUE_TARGET] = torch.zeros(td[RESPONSE_MASK].shape)
+            return td
+
+    turns = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    td = TensorDict({RESPONSE_MASK: torch.ones(1, 4, dtype=torch.bool), "turn_reward": turns,
+                     ACTION_MASK: torch.tensor([[False, True, False, True]])}, batch_size=[1])
+    run_advantage(Reads(), td)
+    assert torch.equal(seen["turn_reward"], turns)

@@ -50,4 +50,4 @@ def test_pip_installed_plugin_is_listed_and_used(tmp_path):
                          timeout=120)
     assert off.returncode == 2
     assert off.stderr.strip() == ("error: unknown advantage plugin 'reward_to_go'; "
-                                  "available: gae, grpo, reinforce_pp, rloo")
+                                  "available: gae, grpo, reinforce_pp, rloo, turn")

@@ -4,10 +4,13 @@ metrics and gradients), against verl's formulas (verl 0.8.0.dev, commit b178a3c,
 equations), micro-batch split invariance, ratio 1, padding, and one real tiny run of each."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from rlpipe.cli import main
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.base.schema import (ADVANTAGE, LOG_PROB, NUM_SEQS, NUM_TOKENS, OLD_LOG_PROB,
                                      RESPONSE_MASK)
@@ -121,7 +124,8 @@ def check(out, grad, expected, expected_grads, mask):
 def test_gspo_matches_float64_loop_oracle(clip, agg):
     scale = 0.6 if clip[0] > 0.01 else 1e-3  # the paper's tiny range needs tiny deviations
     for td in (seq_advantage_batch(seed=1, scale=scale), make_batch(seed=2)):  # also per-token A
-        out, grad = run_loss(GSPOLoss(clip_low=clip[0], clip_high=clip[1], agg=agg), td)
+        out, grad = run_loss(GSPOLoss(clip_low=clip[0], clip_high=clip[1], agg=agg,
+                                      wide_clip=clip[0] > 0.01), td)
         expected, grads = gspo_oracle(td, *clip, agg)
         check(out, grad, expected, grads, td[RESPONSE_MASK])
         assert 0 < out["policy", "clipfrac"] < 1  # the data clips some sequences, not all
@@ -130,7 +134,8 @@ def test_gspo_matches_float64_loop_oracle(clip, agg):
 @pytest.mark.parametrize("clip_low", [None, 0.3])
 def test_cispo_matches_float64_loop_oracle(clip_low):
     td = make_batch(seed=3)
-    out, grad = run_loss(CISPOLoss(clip_low=clip_low, clip_high=0.25), td)
+    out, grad = run_loss(CISPOLoss(clip_low=clip_low, clip_high=0.25,
+                                   lower_bound=clip_low is not None), td)
     expected, grads = cispo_oracle(td, clip_low, 0.25)
     check(out, grad, expected, grads, td[RESPONSE_MASK])
     assert out["policy", "clipfrac"] > 0
@@ -168,7 +173,7 @@ def test_same_numbers_as_verl(name):
     mask = td[RESPONSE_MASK]
     td = td.apply(lambda x: torch.where(mask, x, 0) if x.is_floating_point() else x)
     if name == "gspo":
-        ours, verl, args = GSPOLoss(clip_low=0.1, clip_high=0.15), verl_gspo_token, (0.1, 0.15)
+        ours, verl, args = GSPOLoss(clip_low=0.1, clip_high=0.15, wide_clip=True), verl_gspo_token, (0.1, 0.15)
     else:
         ours, verl, args = CISPOLoss(clip_high=0.2), verl_cispo, (10.0, 0.2)
     out, grad = run_loss(ours, td)
@@ -191,15 +196,15 @@ def test_ratio_one_gives_the_plain_policy_gradient():
     out, _ = run_loss(GSPOLoss(), td)
     assert out["loss_objective"].item() == pytest.approx(-sum(adv) / len(adv), rel=1e-12)
     assert out["policy", "clipfrac"].item() == 0 and out["policy", "approx_kl"].item() == 0
-    out, grad = run_loss(CISPOLoss(clip_low=0.2), td)
+    out, grad = run_loss(CISPOLoss(clip_low=0.2, lower_bound=True), td)
     torch.testing.assert_close(grad, torch.where(mask, -td[ADVANTAGE] / mask.sum(), 0))
     assert out["policy", "clipfrac"].item() == 0 and out["policy", "clipfrac_lower"].item() == 0
 
 
-@pytest.mark.parametrize("make", [lambda: GSPOLoss(clip_low=0.1, clip_high=0.1),
-                                  lambda: CISPOLoss(clip_low=0.3, clip_high=0.1),
+@pytest.mark.parametrize("make", [lambda: GSPOLoss(clip_low=0.1, clip_high=0.1, wide_clip=True),
+                                  lambda: CISPOLoss(clip_low=0.3, clip_high=0.1, lower_bound=True),
                                   lambda: GSPOLoss(clip_low=0.1, agg="token-mean",
-                                                   entropy_coef=0.05)],
+                                                   entropy_coef=0.05, wide_clip=True)],
                          ids=["gspo", "cispo", "gspo-token-mean"])
 def test_micro_batch_split_invariance(make):
     """Loss, gradients and the pooled metrics (sequence-weighted for GSPO's) do not depend on
@@ -235,7 +240,8 @@ def test_micro_batch_split_invariance(make):
         assert whole[tuple(key.split("/"))].item() == pytest.approx(results[0][1][key], rel=1e-6)
 
 
-@pytest.mark.parametrize("loss", [GSPOLoss(clip_low=0.1), CISPOLoss(clip_low=0.5)],
+@pytest.mark.parametrize("loss", [GSPOLoss(clip_low=0.1, wide_clip=True),
+                                  CISPOLoss(clip_low=0.5, lower_bound=True)],
                          ids=["gspo", "cispo"])
 def test_garbage_on_padding_changes_nothing(loss):
     (clean, g_clean), (dirty, g_dirty) = [run_loss(loss, seq_advantage_batch(seed=7, garbage=g))
@@ -270,3 +276,26 @@ def test_tiny_run_with_grpo(tmp_path, name):
     assert row["train/grad_norm"] > 0 and row["policy/clipfrac"] == 0
     assert row["policy/approx_kl"] < 1e-10
     assert "value/loss" not in row  # grpo: no critic
+
+
+@pytest.mark.parametrize("make, kwargs, line", [
+    (GSPOLoss, {"clip_low": 0.2}, "loss 'gspo': clip_low=0.2: a per-token \\(PPO-scale\\) clip range"),
+    (GSPOLoss, {"clip_high": 0.28}, "loss 'gspo': clip_high=0.28: a per-token"),
+    (CISPOLoss, {"clip_low": 0.2}, "loss 'cispo': clip_low=0.2 puts a floor under the IS weight")])
+def test_ppo_scale_clip_ranges_are_refused_unless_asked(make, kwargs, line):
+    """Issue 54: PPO's clip_low 0.2 kept by `loss.name=gspo` is a range GSPO's sequence ratio
+    never leaves (clip fraction 0: no clip at all); CISPO has no floor. Refused, one line; the
+    explicit switch keeps them."""
+    with pytest.raises(UserError, match=line):
+        make(**kwargs)
+    switch = {"wide_clip": True} if make is GSPOLoss else {"lower_bound": True}
+    assert next(iter(kwargs.values())) in (make(**kwargs, **switch).clip_low,
+                                          make(**kwargs, **switch).clip_high)
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo"])
+def test_switching_a_ppo_config_to_gspo_or_cispo_on_the_command_line_exits_2(name):
+    config = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml"
+    result = CliRunner().invoke(main, ["check", str(config), f"loss.name={name}"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1].startswith(f"error: loss '{name}': clip_low=0.2")

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
 BUILTIN = {"kl_explosion", "kl_nonzero_at_start", "reward_hacking_length", "reward_hacking_loop",
            "value_not_learning", "clip_high", "entropy_collapse", "grad_spikes", "truncation",
-           "nan_skips", "flat_groups", "boundary_drift"}
+           "nan_skips", "flat_groups", "boundary_drift", "tools_abandoned"}
 
 
 def rows_of(**series) -> list[dict]:
@@ -37,6 +37,8 @@ def ramp(a: float, b: float, n: int) -> list[float]:
 
 FLAT20 = [20.0] * 12
 CASES = {  # rule: (a history that must fire it, at this step; one that must not)
+    "tools_abandoned": [(rows_of(**{"env/tool_calls": [1.0] * 5 + [0.1] * 5}), 10),
+                        rows_of(**{"env/tool_calls": [1.0] * 5 + [0.5] * 7})],  # fewer, not gone
     "boundary_drift": [(rows_of(**{"env/receipt/boundary_drift": [0.0, 0.25]}), 2),
                        rows_of(**{"env/receipt/boundary_drift": [0.0, 0.0]})],
     "kl_explosion": [

@@ -164,6 +164,29 @@ def test_an_environment_that_hangs_or_raises_ends_its_row_not_the_run():
     assert S.STOP_REASONS[int(batch[S.STOP_REASON][0])] == "tool_error"
 
 
+def sleeps(s: float) -> str:
+    """Sleeps.
+
+    Args:
+        s: seconds
+    """
+    time.sleep(s)
+    return "awake"
+
+
+def test_a_hung_tool_comes_back_to_the_model_and_the_conversation_goes_on():
+    """The tools environment cuts a tool at its timeout_s and declares core's limit on the whole
+    step a grace above it: the model reads the timeout and answers (was: the row ended)."""
+    env = lambda: ToolsEnvironment([sleeps], timeout_s=0.3)  # noqa: E731
+    call = '<tool_call>{"name": "sleeps", "arguments": {"s": 5}}</tool_call>'
+    batch, _, _ = run([[call, "It timed out."]], env=env, contract=ToolsEnvironment.contract(
+        [sleeps], timeout_s=0.3))
+    tool = [m for m in batch[S.CONVERSATION][0] if m["role"] == "tool"]
+    assert tool[0]["content"] == "error: timed out after 0.3 s"
+    assert S.STOP_REASONS[int(batch[S.STOP_REASON][0])] == "done"
+    assert int(batch["env", "timeouts"][0]) == 1 and batch[S.NUM_TURNS].tolist() == [2]
+
+
 class Silent(Hangs):
     def reset(self, row, seed):
         return []

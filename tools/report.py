@@ -58,7 +58,13 @@ PANELS = (
     Panel("lr", "Learning rate (actor)", ("train/lr",), "learning rate"),
     Panel("entropy", "Policy entropy", ("policy/entropy",), "nats per token"),
     Panel("throughput", "Throughput", ("perf/tokens_per_s",), "response tokens / s"),
-    Panel("eval", "Held-out evaluation", ("eval/score", "eval/"), "mean score per sample"),
+    Panel("eval", "Held-out evaluation", ("eval/score", "eval/reward/", "eval/response/length"),
+          "mean score per sample"),
+    Panel("tool_lift", "Tool lift: held-out score with tools minus without", ("eval/tool_lift",),
+          "score with - without", ("eval/score", "eval/no_tools/score"), "mean score per sample"),
+    Panel("tools", "Tool use (training conversations)", ("env/tool_calls", "env/tool_errors",
+                                                         "env/timeouts", "env/turns"),
+          "per conversation", ("env/obs_token_frac",), "observation share of tokens"),
 )
 SPREAD = ("/std", "/min", "/max")  # a metric's spread: drawn as a band, never as its own line
 STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))  # line style, marker per series
@@ -117,6 +123,8 @@ def _draw(ax, rows: list[dict], panel: Panel) -> None:
     dashed on a second axis; whole steps on the x-axis."""
     from matplotlib.ticker import MaxNLocator
 
+    shown = _expand(panel.left + panel.right, rows)  # rows that log none (evaluation's) left out
+    rows = [r for r in rows if any(math.isfinite(r.get(k, math.nan)) for k in shown)]
     left, right = _expand(panel.left, rows), _expand(panel.right, rows)
     lines = _plot(ax, rows, left, 0)
     if right:
@@ -217,6 +225,9 @@ def summary(run_dir: Path) -> str:
                      f"  (best {best[1]:.4g} at step {best[0]})")
     if held := _finite(rows, "eval/score"):
         lines.append(f"eval/score         {held[0][1]:.4g} -> {held[-1][1]:.4g}  (held-out)")
+    if lift := _finite(rows, "eval/tool_lift"):
+        lines.append(f"eval/tool_lift     {lift[0][1]:.4g} -> {lift[-1][1]:.4g}  (score with tools "
+                     f"- without)")
     if kl := _finite(rows, "kl/ref"):
         lines.append(f"kl/ref             {kl[-1][1]:.4g} (final)")
     if tps := _finite(rows, "perf/tokens_per_s"):

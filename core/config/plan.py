@@ -208,6 +208,9 @@ def plan_run(cfg) -> RunPlan:
                                  {s.name: c for (s, _), c in zip(rewards, reward_contracts)})
     loss = _stage(cfg.loss, "loss", "losses")[0]
     environment, env_declared = _environment(cfg)
+    if declared.needs_turns and environment is None:
+        raise UserError(f"{label} scores turns (turn_reward), which a run without an environment "
+                        f"does not have; add an environment section, or use grpo")
     scoring = _scoring(cfg)
     return RunPlan(collector, tuple(s for s, _ in rewards), advantage, loss, sampling, declared,
                    reward_contracts, getattr(loss.plugin.obj, "contract", None) or LossContract(),

@@ -149,8 +149,7 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
-    prompts: Path | str | None = opt(None, "held-out prompts, as data.prompts (null: no "
-                                           "evaluation)")
+    prompts: Path | str | None = opt(None, "held-out prompts, as data.prompts (null: no evaluation)")
     split: str = opt("train", "as data.split")
     prompt_key: str = opt("prompt", "as data.prompt_key")
     every: int = num(0, ">= 0", "evaluate at step 0, every N steps and after the last step "
@@ -159,6 +158,7 @@ class EvalConfig:
     temperature: float = num(0.0, ">= 0", "sampling temperature of evaluation (0: greedy); the "
                                           "other collector arguments are training's, n: 1")
     batch_size: int = num(64, ">= 1", "prompts per collect() call of the evaluation")
+    tool_lift: bool = opt(True, "with an environment's tools: evaluate again with them disabled (eval/tool_lift)")
 
 
 @dataclass

@@ -23,7 +23,7 @@ declared; rlpipe 0.2 reads ``contract`` alone (docs/plugins.md, "Versioning").
 >>> advantage_contract(Baseline, {"scale": False}).group_normalised
 False
 >>> advantage_contract(object)
-AdvantageContract(needs_critic=True, needs_groups=False, kl_in='loss', group_normalised=True, declared=False)
+AdvantageContract(needs_critic=True, needs_groups=False, kl_in='loss', group_normalised=True, declared=False, needs_turns=False)
 >>> reward_contract(object)
 RewardContract(columns=(), scores_prefixes=False, check_values=None)
 """
@@ -107,6 +107,7 @@ class AdvantageContract:
     group_normalised: bool = False  # divides each group's scores by their spread: kl.in reward
                                     # refused (the KL noise would become unit-size advantages)
     declared: bool = True           # False: the plugin declared nothing, core chose safe defaults
+    needs_turns: bool = False       # True: reads turn_reward; a run without an environment refused
 
     def problem(self) -> str | None:
         """What is wrong with these values, or None.
@@ -114,7 +115,7 @@ class AdvantageContract:
         >>> AdvantageContract(needs_critic="False").problem()
         "needs_critic must be True or False, got 'False'"
         """
-        for name in ("needs_critic", "needs_groups", "group_normalised", "declared"):
+        for name in ("needs_critic", "needs_groups", "group_normalised", "declared", "needs_turns"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name} must be True or False, got {getattr(self, name)!r}"
         if self.kl_in not in KL_PLACES:

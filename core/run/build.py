@@ -36,6 +36,7 @@ from rlpipe.core.models.distributed import Dist, shard
 from rlpipe.core.observe.console import Status, describe_models
 from rlpipe.core.models.lm import (_DTYPES, Models, ValueModel, cpu_has_bf16, enable_checkpointing,
                                    frozen_copy, load_causal_lm, load_tokenizer)
+from rlpipe.core.step.journal import FOLDER, Journal
 from rlpipe.core.step.multiturn import MultiTurn
 from rlpipe.core.step.rewards import RewardComposer
 
@@ -380,6 +381,8 @@ def _build_in(cfg, plan, dist, device, run_dir, lock, data, eval_data, dataset) 
     names = ", ".join(s.name for s in (plan.collector, *plan.rewards, plan.advantage, plan.loss))
     with status.phase(f"building plugins ({names})") as took:
         plugins = build_plugins(cfg, ctx, plan)
+    if plugins.environment is not None:  # training's environment calls (docs/replay.md)
+        plugins.environment.journal = Journal(run_dir / FOLDER, dist.rank)
     status.say(f"plugins ready in {took():.1f} s")
     for found in filter(None, (data, eval_data)):
         found.use_tokenizer(models.tokenizer)  # chat prompts through the template, every row

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from rlpipe.core.base.errors import UserError, option
 from rlpipe.core.models.distributed import load_full_state
+from rlpipe.core.step import journal
 
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
@@ -197,6 +198,8 @@ def _publish(run_dir: Path, tmp: Path, final: Path, keep: int) -> Path:
     tmp.rename(final)
     for old in complete(run_dir)[:-keep] if keep > 0 else []:
         _discard(old)
+    if keep > 0:  # a resume never restarts a step at or before the oldest kept checkpoint
+        journal.prune(run_dir, int(STEP.fullmatch(complete(run_dir)[0].name)[1]))
     return final
 
 

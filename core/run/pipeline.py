@@ -201,7 +201,7 @@ class Pipeline(RunState):
         with self.models.compute():  # models.autocast (the HF collector runs the actor)
             if turns is not None:
                 seed = self.cfg.run.seed * 1_000_003 + self.step_count * 10_007
-                return turns.collect(self.data.records(rows), seed)
+                return turns.collect(self.data.records(rows), seed, self.step_count + 1)
             return guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
                                        collector, required=self.plan.collected)
 
@@ -317,7 +317,8 @@ class Pipeline(RunState):
             "perf/tokens_per_s": float(mask.sum()) / elapsed,
             "time/rollout_s": t_rollout, "time/score_s": t_score, "time/update_s": t_update,
             "time/step_s": elapsed,
-            **(env_metrics(batch) if S.NUM_TURNS in batch.keys() else {}),
+            **(env_metrics(batch, getattr(self.plugins.environment, "journal", None))
+               if S.NUM_TURNS in batch.keys() else {}),
         }
         return batch, metrics
 

@@ -64,15 +64,17 @@ HF_FOLDER = ("config.json", "generation_config.json", "model*.safetensors",
 RUN_LAYOUT = Layout(
     "run", "run directory",
     (MARKER, LOCK, "config.yaml", "plan.json", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints",
-     "final", ".tmp-final", ".trash-final", "report", "tensorboard", "wandb", "samples"),
+     "final", ".tmp-final", ".trash-final", "report", "tensorboard", "wandb", "samples",
+     "journal"),
     ("checkpoints", "final", ".tmp-final", ".trash-final", "report", "tensorboard", "wandb",
-     "samples"),
+     "samples", "journal"),
     (MARKER, LOCK, "config.yaml", "plan.json", "metrics.jsonl", "tensorboard", "wandb",
      "samples"),
     # tensorboard/ and wandb/ are those libraries' own, .tmp-final/ a cut `publish`: not looked
     # into
     (("final", HF_FOLDER),
      ("samples", ("step-*.jsonl", "eval-step-*.jsonl", "*.jsonl.tmp")),
+     ("journal", ("step_*.jsonl",)),   # rlpipe.core.step.journal
      ("report", ("*.png", "samples.md")),
      ("checkpoints", tuple(f"{kind}step-{STEP_DIGITS}{more}/" for kind in ("", ".tmp-", ".trash-")
                            for more in ("", "[0-9]"))),   # step-NNNNNN (to 9 999 999 steps)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from rlpipe.core.base.schema import ACTION_MASK, ADVANTAGE, RESPONSE_MASK, VALUE_TARGET
+from rlpipe.core.base.schema import ACTION_MASK, ADVANTAGE, RESPONSE_MASK, TURN_REWARD, VALUE_TARGET
 
 
 def compact(x: torch.Tensor, action_mask: torch.Tensor
@@ -61,10 +61,12 @@ def scatter_back(compact_y: torch.Tensor, index: torch.Tensor,
 
 def _response_keys(td: TensorDictBase, estimator) -> list:
     """The [B, R] tensors to compact: those among the estimator's ``in_keys`` when it declares
-    them, else every [B, R] tensor of ``td``."""
+    them, else every [B, R] tensor of ``td``; ``turn_reward`` is [B, max_turns], never per token,
+    even when max_turns happens to equal R."""
     shape = td.get(RESPONSE_MASK).shape
     keys = getattr(estimator, "in_keys", None) or td.keys(include_nested=True, leaves_only=True)
-    return [key for key in keys if key != RESPONSE_MASK and key in td.keys(include_nested=True)
+    return [key for key in keys if key not in (RESPONSE_MASK, TURN_REWARD)
+            and key in td.keys(include_nested=True)
             and isinstance(td.get(key), torch.Tensor) and td.get(key).shape == shape]
 
 

@@ -12,6 +12,10 @@ default): the score is the tool-using policy's, each sample carries its conversa
 reason and receipt (`rlpipe.core.observe.samples.turn_fields`), and the metrics add
 ``eval/env/*``: training's ``env/*`` (`rlpipe.core.step.multiturn.env_metrics`) over the
 held-out conversations. Each held-out row's environment is reset with seed ``run.seed + row``.
+Where the environment has tools (``eval.tool_lift``), each evaluation runs a second time on the
+same rows, seeds and weights with the tools disabled (`rlpipe.core.step.tool_lift`): that pass's
+metrics are ``eval/no_tools/*`` (the same names under ``eval/no_tools/``) and ``eval/tool_lift``
+is ``eval/score`` minus ``eval/no_tools/score`` (docs/tool-lift.md).
 
 Evaluation never touches the training state: it samples at ``temperature: eval.temperature``,
 one answer per prompt, from the training collector's ``sampling_view`` where the collector offers
@@ -48,6 +52,7 @@ from rlpipe.core.data.prompts import PromptData
 from rlpipe.core.contracts.reward_fn import batch_texts
 from rlpipe.core.observe.samples import turn_fields
 from rlpipe.core.step.multiturn import env_metrics
+from rlpipe.core.step.tool_lift import without_tools
 
 SAMPLES_DIR = "samples"
 
@@ -105,6 +110,8 @@ class Evaluator:
                  compute=contextlib.nullcontext, own_engine: bool = True, turns=None):
         self.cfg, self.data, self.collector, self.rewards = cfg.eval, data, collector, rewards
         self.turns = turns  # a `MultiTurn` over ``collector`` with an environment, else None
+        self.no_tools = (without_tools(turns) if turns is not None and turns.contract.tools
+                         and cfg.eval.tool_lift else None)  # the same conversations, tools off
         self.own_engine = own_engine  # False: a sampling view, whose weights the pipeline syncs
         self.compute = compute  # the context the actor's forwards run in (`Models.compute`)
         self.dist, self.device, self.seed = dist, device, cfg.run.seed
@@ -127,27 +134,37 @@ class Evaluator:
         """Evaluate the current ``actor``; the metrics (same on every rank), and the samples file
         written by rank 0."""
         t0 = time.perf_counter()
+        samples = self._gathered(step, self.turns, actor)
+        if self.dist.is_main:
+            self._write(step, samples)
+        metrics = self._metrics(samples)
+        if self.no_tools is not None:  # same rows, seeds, weights and RNG: only the tools differ
+            bare = self._metrics(self._gathered(step, self.no_tools))
+            metrics.update({k.replace("eval/", "eval/no_tools/", 1): v for k, v in bare.items()},
+                           **{"eval/tool_lift": metrics["eval/score"] - bare["eval/score"]})
+        return {**metrics, "time/eval_s": time.perf_counter() - t0}
+
+    def _gathered(self, step: int, turns, actor=None) -> list[dict]:
+        """Every rank's samples in row order, drawn under the RNG seeded for ``step`` (after
+        syncing the engine to ``actor`` when given)."""
         devices = [self.device] if self.device.type == "cuda" else []
         python_rng = random.getstate()
         try:
             with torch.random.fork_rng(devices=devices), self.compute():
                 torch.manual_seed(self.seed + step)
-                if self.own_engine:
+                if actor is not None and self.own_engine:
                     registry.call(self.collector.sync_weights, actor)
-                local = [s for rows in self.parts for s in self._samples(rows)]
+                local = [s for rows in self.parts for s in self._samples(rows, turns)]
         finally:
             random.setstate(python_rng)
-        samples = sorted((s for part in self.dist.gather_object(local) for s in part),
-                         key=lambda s: s["row"])
-        if self.dist.is_main:
-            self._write(step, samples)
-        return {**self._metrics(samples), "time/eval_s": time.perf_counter() - t0}
+        return sorted((s for part in self.dist.gather_object(local) for s in part),
+                      key=lambda s: s["row"])
 
-    def _samples(self, rows: list[int]) -> list[dict]:
+    def _samples(self, rows: list[int], turns) -> list[dict]:
         """Generate and score one chunk; one plain dict per sample."""
         collector = self.collector
-        if self.turns is not None:  # seeds by row: the same environments at every evaluation
-            batch = self.turns.collect(self.data.records(rows), self.seed + rows[0])
+        if turns is not None:  # seeds by row: the same environments at every evaluation
+            batch = turns.collect(self.data.records(rows), self.seed + rows[0])
         else:
             batch = guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
                                         collector, required=(S.RESPONSE_IDS, S.RESPONSE_MASK,
@@ -181,8 +198,9 @@ class Evaluator:
 
     def close(self) -> None:
         """The environments' worker threads (the sampler is closed apart: ``collector``)."""
-        if self.turns is not None:
-            self.turns.close()
+        for turns in (self.turns, self.no_tools):
+            if turns is not None:
+                turns.close()
 
     def _write(self, step: int, samples: list[dict]) -> None:
         self.samples_dir.mkdir(exist_ok=True)

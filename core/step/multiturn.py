@@ -42,6 +42,7 @@ from rlpipe.core.base import schema as S
 from rlpipe.core.base.errors import UserError
 from rlpipe.core.contracts.environment import EnvironmentContract, call_env
 from rlpipe.core.contracts.registry import PluginError
+from rlpipe.core.step.journal import Journal
 
 RECEIPTS = S.RECEIPTS
 _COUNTS = ("tool_calls", "tool_errors", "timeouts")
@@ -63,6 +64,7 @@ class Row:
     counts: dict = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
     stop: str | None = None
     error: str = ""                                    # the environment's failure, if it ended the row
+    index: int | None = None                           # its key in the step's journal (None: none)
 
 
 class Renderer:
@@ -142,12 +144,15 @@ class MultiTurn:
     its `EnvironmentContract`; ``max_response_tokens`` bounds each row's response (actions and
     observations) and the collector's ``max_new_tokens`` each turn. `collect` returns the batch of
     `rlpipe.core.base.schema` with ``action_mask``, ``turn_id``, ``turn_reward``, ``num_turns``,
-    ``stop_reason``, ``conversation`` and per-row counts under ``("env", NAME)``.
+    ``stop_reason``, ``conversation`` and per-row counts under ``("env", NAME)``. With a
+    ``journal`` (`rlpipe.core.step.journal`; training's) each ``reset`` and ``step`` of a numbered
+    step goes through it: recorded as it completes, replayed when the step runs again.
     """
 
     def __init__(self, collector, make_env, contract: EnvironmentContract, tokenizer,
                  max_response_tokens: int, label: str = "environment"):
         self.collector, self.make_env, self.contract, self.label = collector, make_env, contract, label
+        self.journal: Journal | None = None
         self.render = Renderer(tokenizer, contract.tools)
         self.budget = max_response_tokens
         eos = collector.eos_ids[0] if collector.eos_ids else None
@@ -155,18 +160,23 @@ class MultiTurn:
         self.eos_text = self.render.decode([eos]) if eos is not None else ""
         check_template(self.render, label)
 
-    def collect(self, rows: list[dict], seed: int = 0) -> TensorDict:
+    def collect(self, rows: list[dict], seed: int = 0, step: int | None = None) -> TensorDict:
         """``n`` conversations per dataset row (``collector.n``), turn by turn: each turn the rows
-        still going generate together (a shrinking batch), then their environments answer."""
+        still going generate together (a shrinking batch), then their environments answer.
+        ``step``: the numbered step, the journal's key (None: no journal)."""
         n = self.collector.n
+        journaled = self.journal is not None and step is not None
+        base = self.journal.begin(step, len(rows) * n) if journaled else None
         convs = []
-        for i, data in enumerate(rows):
-            for j in range(n):
-                env = self.make_env()
-                messages = list(call_env(env.reset, data, seed + i * n + j, label=self.label,
-                                         timeout_s=self.contract.timeout_s))
-                text = self.render(messages, True)
-                convs.append(Row(env, messages, self.render.encode(text), pieces=[("text", text)]))
+        for k in range(len(rows) * n):
+            c = Row(self.make_env(), [], [], index=None if base is None else base + k)
+            kind, value = self._call(c, 0, "reset", [rows[k // n], seed + k])
+            if kind == "error":
+                raise value
+            c.messages = list(value)
+            text = self.render(c.messages, True)
+            c.prompt, c.pieces = self.render.encode(text), [("text", text)]
+            convs.append(c)
         for turn in range(self.contract.max_turns):
             active = [c for c in convs if c.stop is None]
             if not active:
@@ -208,9 +218,35 @@ class MultiTurn:
             if not complete:   # the row's budget, or this turn's max_new_tokens, ran out
                 c.stop = "length" if len(sampled) == left[i] else "turn_length"
 
-    def _step(self, c: Row):
-        return call_env(c.env.step, c.messages[-1]["content"], label=self.label,
-                        timeout_s=self.contract.timeout_s)
+    def _call(self, c: Row, call: int, method: str, args: list) -> tuple[str, object]:
+        """``c.env.METHOD(*args)`` (`call_env`): ``("ok", result)``, or ``("error", err)`` for a
+        `TimeoutError` or `PluginError`; through the journal when the row has a key (a recorded
+        call is replayed, a live one recorded once it completes)."""
+        journal, key = (self.journal, (c.index, call)) if c.index is not None else (None, None)
+        found = journal.replay(key, method, args, c.env) if journal else None
+        if found is not None:
+            status, result, c.env = found
+            if status == "ok":
+                return "ok", result if method == "reset" else tuple(result)
+            return "error", (TimeoutError(status) if status == "timeout" else
+                             PluginError(status.removeprefix("error: ")))
+        for before in journal.catch_up(c.index) if journal else ():
+            self._live(c.env, *before)   # an environment replayed without a state catches up
+        t0 = time.monotonic()
+        kind, value = self._live(c.env, method, args)
+        if journal:
+            status = ("ok" if kind == "ok" else "timeout" if isinstance(value, TimeoutError)
+                      else f"error: {value}")
+            journal.record(key, method, args, status, value if kind == "ok" else None,
+                           time.monotonic() - t0, c.env)
+        return kind, value
+
+    def _live(self, env, method: str, args: list) -> tuple[str, object]:
+        try:
+            return "ok", call_env(getattr(env, method), *args, label=self.label,
+                                  timeout_s=self.contract.timeout_s)
+        except (TimeoutError, PluginError) as err:
+            return "error", err
 
     def _answer(self, rows: list[Row], turn: int) -> None:
         """The environments answer the actions concurrently (a daemon thread each: a step that
@@ -220,7 +256,7 @@ class MultiTurn:
 
         def run(i: int, c: Row) -> None:
             try:
-                results[i] = ("ok", self._step(c))
+                results[i] = self._call(c, turn + 1, "step", [c.messages[-1]["content"]])
             except BaseException as err:  # noqa: BLE001 - handed to the main thread below
                 results[i] = ("error", err)
 
@@ -232,8 +268,11 @@ class MultiTurn:
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         for i, c in enumerate(rows):
-            kind, value = results.get(i, ("error", TimeoutError()))
-            if kind == "error" and isinstance(value, TimeoutError):
+            kind, value = results.get(i, ("error", None))
+            if value is None and c.index is not None:   # cut at the deadline: the journal says so
+                self.journal.record((c.index, turn + 1), "step", [c.messages[-1]["content"]],
+                                    "timeout", None, self.contract.timeout_s, None)
+            if kind == "error" and isinstance(value, (TimeoutError, type(None))):
                 c.stop, c.counts["timeouts"] = "timeout", c.counts["timeouts"] + 1
                 continue
             if kind == "error" and isinstance(value, PluginError):  # the environment's failure
@@ -305,7 +344,9 @@ class MultiTurn:
         return batch
 
     def close(self) -> None:
-        """Nothing to release: each step's thread is a daemon that ends with its step."""
+        """The journal's file; each step's thread is a daemon that ends with its step."""
+        if self.journal is not None:
+            self.journal.close()
 
 
 def _first_user(messages: list) -> str:
@@ -316,8 +357,9 @@ def _last_reply(messages: list) -> str:
     return next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
 
 
-def env_metrics(batch) -> dict[str, float]:
-    """The ``env/*`` metrics of a multi-turn batch (means over its conversations)."""
+def env_metrics(batch, journal: Journal | None = None) -> dict[str, float]:
+    """The ``env/*`` metrics of a multi-turn batch (means over its conversations); with the
+    step's ``journal``, ``env/journal/replayed`` and ``env/journal/diverged`` (calls this step)."""
     actions = batch[S.ACTION_MASK].sum().item()
     tokens = batch[S.RESPONSE_MASK].sum().item()
     out = {"env/turns": batch[S.NUM_TURNS].float().mean().item(),
@@ -328,4 +370,6 @@ def env_metrics(batch) -> dict[str, float]:
         out[f"env/receipt/{name}"] = (batch[S.ENV, "receipt"] == i).float().mean().item()
     for i, name in enumerate(S.STOP_REASONS):
         out[f"env/stop/{name}"] = (batch[S.STOP_REASON] == i).float().mean().item()
+    for key, count in (journal.counts.items() if journal is not None else ()):
+        out[f"env/journal/{key}"] = float(count)
     return out

@@ -8,7 +8,8 @@ never ``eval``), runs them at once, one thread each, under ``timeout_s``, and an
 with ``error:`` (an exception, a timeout, a malformed or unknown call), never as a crash; an
 output over ``max_output_chars`` is cut with a visible marker. A turn without a tool call is the
 final answer: done. The reward is 0 per turn (the reward plugins score the conversation);
-``info`` counts ``tool_calls``, ``tool_errors`` and ``timeouts``.
+``info`` counts ``tool_calls``, ``tool_errors`` and ``timeouts`` (a tool that raises
+``TimeoutError`` counts in both).
 
 >>> def add(a: int, b: int) -> int:
 ...     '''Add two integers.
@@ -140,7 +141,7 @@ class ToolsEnvironment:
         self.declared = self.contract(tools, max_turns, timeout_s, max_output_chars,
                                       tool_call_format)
         self.tools = _tools(tools)
-        self.max_output_chars = max_output_chars
+        self.max_output_chars, self.timeout_s = max_output_chars, float(timeout_s)
 
     @classmethod
     def contract(cls, tools: list = (), max_turns: int = 4, timeout_s: float = 10.0,
@@ -164,7 +165,11 @@ class ToolsEnvironment:
         if problem:
             raise UserError(f"environment 'tools': {problem}")
         schemas = tuple(tool_schema(fn) for fn in _tools(tools).values())
-        return EnvironmentContract(max_turns, schemas, tool_call_format, float(timeout_s), False)
+        # core's limit on a whole step: the tools' timeout_s plus a grace, so that a tool cut at
+        # timeout_s comes back to the model as a message instead of ending its conversation
+        grace = 1.0 + 0.1 * timeout_s
+        return EnvironmentContract(max_turns, schemas, tool_call_format,
+                                   float(timeout_s + grace), False)
 
     def reset(self, row: dict, seed: int) -> list[dict]:
         """The row's prompt as messages: ``messages`` (a list of chat messages), or ``prompt``
@@ -203,7 +208,7 @@ class ToolsEnvironment:
             try:
                 results[i] = (_as_text(self.tools[call.name](**call.arguments)), False, False)
             except Exception as exc:  # noqa: BLE001 - the tool's failure goes to the model
-                results[i] = (f"error: {describe(exc)}", True, False)
+                results[i] = (f"error: {describe(exc)}", True, isinstance(exc, TimeoutError))
 
         threads = []
         for i, call in enumerate(calls):
@@ -215,9 +220,9 @@ class ToolsEnvironment:
                                       name=f"rlpipe-tool-{call.name}")
             thread.start()
             threads.append((i, thread))
-        deadline = time.monotonic() + self.declared.timeout_s
+        deadline = time.monotonic() + self.timeout_s
         for i, thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
-                results[i] = (f"error: timed out after {self.declared.timeout_s:g} s", True, True)
+                results[i] = (f"error: timed out after {self.timeout_s:g} s", True, True)
         return results

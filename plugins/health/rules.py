@@ -361,3 +361,35 @@ class BoundaryDrift(Rule):
         return (f"env/receipt/boundary_drift {drift:.3g} at step {h.step} > {self.threshold:g}: "
                 f"that fraction of the conversations have turn boundaries the chat template "
                 f"renders differently")
+
+
+@dataclass
+class ToolsAbandoned(Rule):
+    """``env/tool_calls`` (per conversation) over the last ``window`` steps below ``threshold``
+    times its level over the first ``window`` steps (judged from step ``2 * window``; quiet for
+    a run that started without calling tools): the policy stopped calling its tools.
+
+    >>> from rlpipe.core.contracts.rule import History
+    >>> calls = [1.0] * 4 + [0.1] * 4
+    >>> ToolsAbandoned(window=4).check(History([{"step": s, "env/tool_calls": c} for s, c in enumerate(calls, 1)]))
+    'env/tool_calls 0.1 per conversation (mean of steps 5-8) < 0.25 x its start 1 (mean of its first 4 steps): the policy stopped calling its tools'
+    """
+
+    window: int = num(5, "in [1, 1000]")
+    threshold: float = num(0.25, "in (0, 1)")  # fraction of the starting tool-call rate
+    reads = ("env/tool_calls",)
+    panel = "tools"
+    remedy = ("the policy answers without its tools: compare eval/score with eval/no_tools/score "
+              "(eval.tool_lift: does the tool help?), reward the answer not the call, raise "
+              "kl.coef or lower train.lr, describe the tools better (their docstrings)")
+
+    def check(self, h: History) -> str | None:
+        key = "env/tool_calls"
+        start, now = h.first(key, self.window), h.last(key, self.window)
+        if len(now) < self.window or h.step < 2 * self.window or not finite(h.latest.get(key)):
+            return None
+        if mean(start) > 0 and mean(now) < self.threshold * mean(start):
+            return (f"{key} {mean(now):.3g} per conversation (mean of {_span(h, self.window)}) < "
+                    f"{self.threshold:g} x its start {mean(start):.3g} (mean of its first "
+                    f"{len(start)} steps): the policy stopped calling its tools")
+        return None

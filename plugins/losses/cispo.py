@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
+from rlpipe.plugin import UserError
 from rlpipe.plugins.losses.ppo import PolicyGradientLoss, PPOLoss, check_args
 
 
@@ -66,8 +67,9 @@ class CISPOLoss(PolicyGradientLoss):
         value_loss: mse or huber
         entropy_coef: entropy bonus (0: off)
         agg: token-mean (the paper), seq-mean-token-mean or seq-mean-token-sum
+        lower_bound: allow a clip_low (a floor the paper does not have); false: refused
 
-    >>> CISPOLoss().clip_low, CISPOLoss().clip_high, CISPOLoss(clip_low=0.5).clip_low
+    >>> CISPOLoss().clip_low, CISPOLoss().clip_high, CISPOLoss(clip_low=0.5, lower_bound=True).clip_low
     (None, 0.2, 0.5)
     """
 
@@ -77,10 +79,14 @@ class CISPOLoss(PolicyGradientLoss):
     def __init__(self, *, clip_low: float | None = None, clip_high: float = 0.2,
                  log_ratio_clamp: float = 20.0, vf_coef: float = 0.5,
                  value_clip: float | None = 0.2, value_loss: str = "mse",
-                 entropy_coef: float = 0.0, agg: str = "token-mean"):
+                 entropy_coef: float = 0.0, agg: str = "token-mean", lower_bound: bool = False):
         super().__init__()
         check_args(self.NAME, {"clip_low": (clip_low, "null or a number > 0", lambda x: x > 0),
                                "clip_high": (clip_high, "a number > 0", lambda x: x > 0)})
+        if clip_low is not None and lower_bound is not True:
+            raise UserError(f"loss 'cispo': clip_low={clip_low:g} puts a floor under the IS weight, "
+                            f"which CISPO (the paper) does not have (PPO's clip_low, kept from a PPO "
+                            f"config?); set lower_bound: true to keep it, or clip_low: null")
         self.clip_low, self.clip_high = clip_low, clip_high
         self.setup(log_ratio_clamp=log_ratio_clamp, vf_coef=vf_coef, value_clip=value_clip,
                    value_loss=value_loss, entropy_coef=entropy_coef, agg=agg)

@@ -23,7 +23,7 @@ sequences (``"seq"`` in the contract); ``policy/approx_kl`` is PPO's token-level
 >>> td = TensorDict({schema.LOG_PROB: torch.tensor([[0.1, 0.1, 0.0]]),
 ...                  schema.OLD_LOG_PROB: torch.zeros(1, 3), schema.ADVANTAGE: torch.ones(1, 3),
 ...                  schema.RESPONSE_MASK: torch.tensor([[True, True, False]])}, batch_size=[1])
->>> round(GSPOLoss(clip_low=0.2, clip_high=0.2)(td)["loss_objective"].item(), 4)  # -exp(0.1)
+>>> round(GSPOLoss(clip_low=0.2, clip_high=0.2, wide_clip=True)(td)["loss_objective"].item(), 4)  # -exp(0.1)
 -1.1052
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from rlpipe.plugin import LossContract, kl, masked_mean
+from rlpipe.plugin import LossContract, UserError, kl, masked_mean
 from rlpipe.plugins.losses.ppo import VALUE_KEYS, VALUE_METRICS, PolicyGradientLoss, check_args
 
 
@@ -74,7 +74,13 @@ class GSPOLoss(PolicyGradientLoss):
         value_loss: mse or huber
         entropy_coef: entropy bonus (0: off)
         agg: seq-mean-token-mean (the paper's mean over sequences), token-mean or seq-mean-token-sum
+        wide_clip: allow a clip above 0.01 (a sequence ratio, the geometric mean of its tokens'
+            ratios, moves about 1e-3 per update: PPO's 0.2 would never clip); false: refused
 
+    >>> GSPOLoss(clip_low=0.2)
+    Traceback (most recent call last):
+    ...
+    rlpipe.core.base.errors.UserError: loss 'gspo': clip_low=0.2: a per-token (PPO-scale) clip range; GSPO clips the sequence ratio, which moves about 1e-3 per update (the paper: clip_low 3e-4, clip_high 4e-4); set wide_clip: true to keep it
     >>> GSPOLoss().clip_low, GSPOLoss().clip_high, GSPOLoss().agg
     (0.0003, 0.0004, 'seq-mean-token-mean')
     >>> GSPOLoss().contract.reduction("policy/clipfrac")
@@ -93,10 +99,17 @@ class GSPOLoss(PolicyGradientLoss):
     def __init__(self, *, clip_low: float = 3e-4, clip_high: float = 4e-4,
                  log_ratio_clamp: float = 20.0, vf_coef: float = 0.5,
                  value_clip: float | None = 0.2, value_loss: str = "mse",
-                 entropy_coef: float = 0.0, agg: str = "seq-mean-token-mean"):
+                 entropy_coef: float = 0.0, agg: str = "seq-mean-token-mean",
+                 wide_clip: bool = False):
         super().__init__()
         check_args(self.NAME, {"clip_low": (clip_low, "a number in (0, 1)", lambda x: 0 < x < 1),
                                "clip_high": (clip_high, "a number > 0", lambda x: x > 0)})
+        wide = [f"{k}={v:g}" for k, v in (("clip_low", clip_low), ("clip_high", clip_high)) if v > 0.01]
+        if wide and wide_clip is not True:
+            raise UserError(f"loss 'gspo': {', '.join(wide)}: a per-token (PPO-scale) clip "
+                            f"range; GSPO clips the sequence ratio, which moves about 1e-3 per "
+                            f"update (the paper: clip_low 3e-4, clip_high 4e-4); set wide_clip: "
+                            f"true to keep it")
         self.clip_low, self.clip_high = clip_low, clip_high
         self.setup(log_ratio_clamp=log_ratio_clamp, vf_coef=vf_coef, value_clip=value_clip,
                    value_loss=value_loss, entropy_coef=entropy_coef, agg=agg)
