@@ -182,3 +182,14 @@ def final_weights(run_dir, name: str = "model.safetensors") -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(Path(run_dir) / "final" / name))
+
+
+@pytest.fixture
+def one_thread():
+    """Single-threaded torch for the test, as in a subprocess with OMP_NUM_THREADS=1: runs that
+    must agree to the bit (resume, replay) reduce in the same order. Modules that need it:
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -38,13 +38,7 @@ class Killed(BaseException):
     """Stands for a kill at this point: `except Exception` cleanup does not run."""
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Single-threaded torch, as in the subprocess (OMP_NUM_THREADS=1): identical numbers."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def config(run_dir, *extra):

@@ -28,12 +28,7 @@ FAST = ["run.steps=3", "data.batch_size=4", "collector.max_new_tokens=8", "train
 STALENESS = [0, 1]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def train(run_dir, staleness, *extra, resume=False) -> Path:

@@ -11,7 +11,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from rlpipe.cli import main
@@ -24,12 +23,7 @@ FAST = ["run.steps=2", "data.batch_size=4", "collector.max_new_tokens=8", "train
         "log.progress=false", "checkpoint.every=1"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def cli(*args) -> SimpleNamespace:
