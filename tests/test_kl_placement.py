@@ -20,8 +20,9 @@ from rlpipe.core.base.errors import UserError
 from rlpipe.core.run.pipeline import Pipeline
 from tests.test_trainer import tiny
 
-GROUP_ESTIMATORS = sorted(name for name in registry.find("advantages")
-                          if advantage_contract(registry.load("advantages", name)).needs_groups)
+GROUP_ESTIMATORS = sorted(  # single-turn runs below: estimators of turns need an environment
+    name for name in registry.find("advantages")
+    if (c := advantage_contract(registry.load("advantages", name))).needs_groups and not c.needs_turns)
 
 
 def categorical(seed=0, k=7):
