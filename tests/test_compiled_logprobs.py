@@ -113,3 +113,21 @@ def test_a_machine_that_cannot_compile_gets_one_line(monkeypatch):
     message = str(err.value)
     assert "\n" not in message and "working triton" in message
     assert message.startswith("models.compile_logprobs:") and "false" in message
+
+
+def test_a_recompile_that_cannot_write_its_cache_is_one_line(monkeypatch, tmp_path):
+    """Issue 54: the kernels built at start, then a later recompile (here: a new dtype) finds
+    TORCHINDUCTOR_CACHE_DIR unusable (a path under a file: even root cannot create it). Inductor's
+    real failure comes back as one `UserError` line naming the setting, not its page."""
+    torch._dynamo.reset()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    ops.check_compiled(torch.device("cpu"), torch.float32)
+    (tmp_path / "file").write_text("")
+    torch._dynamo.reset()   # whatever other tests compiled: this one recompiles
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with pytest.raises(UserError) as err:
+        ops.check_compiled(torch.device("cpu"), torch.float64)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("models.compile_logprobs: torch.compile "
+                                                      "could not build the log-prob kernels (")
+    assert "TORCHINDUCTOR_CACHE_DIR" in message and message.endswith("compile_logprobs: false")

@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from rlpipe.core.base.errors import UserError
+
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of ``x`` over true entries of ``mask``, over all entries (``dim=None``) or along
@@ -143,9 +145,26 @@ def _chunk_backward(x: torch.Tensor, ids: torch.Tensor, grad_logp: torch.Tensor,
 @functools.cache
 def _compiled() -> tuple:
     """`_chunk_forward` and `_chunk_backward` under ``torch.compile`` (built on first use; shapes
-    dynamic, so chunks of every size share one kernel each)."""
-    return (torch.compile(_chunk_forward, dynamic=True),
-            torch.compile(_chunk_backward, dynamic=True))
+    dynamic, so chunks of every size share one kernel each); a build that fails later in the run
+    (a new dtype or device recompiles: the cache folder gone or unwritable by then) is one line."""
+    return (_one_line(torch.compile(_chunk_forward, dynamic=True)),
+            _one_line(torch.compile(_chunk_backward, dynamic=True)))
+
+
+def _one_line(kernel):
+    def run(*args):
+        try:
+            return kernel(*args)
+        except Exception as exc:  # inductor's: BackendCompilerFailed (not imported here), OSError
+            if not (isinstance(exc, OSError) or type(exc).__name__ == "BackendCompilerFailed"):
+                raise
+            cause = getattr(exc, "inner_exception", None) or exc
+            first = (str(cause).strip().splitlines() or [""])[0][:200]
+            raise UserError(f"models.compile_logprobs: torch.compile could not build the log-prob "
+                            f"kernels ({type(cause).__name__}: {first}); check that "
+                            f"TORCHINDUCTOR_CACHE_DIR is writable, or set "
+                            f"models.compile_logprobs: false") from None
+    return run
 
 
 def check_compiled(device: torch.device, dtype: torch.dtype) -> None:

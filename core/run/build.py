@@ -199,6 +199,8 @@ def _check_compile(device: torch.device, dtype: torch.dtype) -> None:
     """``models.compile_logprobs``: the kernels compile now, or one line says why not."""
     try:
         ops.check_compiled(device, dtype)
+    except UserError:
+        raise
     except Exception as exc:  # inductor's errors have no common base class
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"models.compile_logprobs: torch.compile cannot build the log-prob "
