@@ -603,18 +603,25 @@ def test_multi_turn_on_the_engine_is_token_in_token_out_like_the_hf_collector(co
                                                                               base_model):
     """Conversations on the engine, two per prompt: the engine samples one per row each turn (the
     collector's ``n`` and per-turn cap are read at each call), the same ids as the HF collector's
-    greedy conversations, and its log-probs on the actions equal the trainer's forward."""
+    greedy conversations, and its log-probs on the actions equal the trainer's forward. A chain
+    model answers each generation prompt (it ends in ":") with "one two three </s>", so every
+    turn ends by EOS and the conversations run their three turns."""
+    pairs = [(":", "one"), ("one", "two"), ("two", "three"), ("three", "</s>")]
+    chain = make_chain_model(copy.deepcopy(base_model), tokenizer, pairs)
+    collector.sync_weights(chain)
     contract, rows_ = EnvironmentContract(max_turns=3), [{"prompt": p} for p in PROMPTS[:3]]
-    hf = HFCollector(RunContext(tokenizer=tokenizer, actor=base_model), max_new_tokens=8,
+    hf = HFCollector(RunContext(tokenizer=tokenizer, actor=chain), max_new_tokens=8,
                      temperature=0, n=2)
     with sampling(collector, n=2):
         batch = MultiTurn(collector, Echo, contract, tokenizer, 64).collect(rows_)
         assert collector.n == 2 and collector.max_new_tokens == 8     # restored after each turn
     expected = MultiTurn(hf, Echo, contract, tokenizer, 64).collect(rows_)
     assert batch.batch_size == torch.Size([6]) and batch[schema.NUM_TURNS].tolist() == [3] * 6
+    answer = tokenizer.convert_tokens_to_ids("one two three </s>".split())
+    assert all(r[:4] == answer for r in rows(batch, mask_key=schema.ACTION_MASK))
     for key in (schema.PROMPT_IDS, schema.RESPONSE_IDS, schema.RESPONSE_MASK, schema.ACTION_MASK,
                 schema.TURN_ID, schema.GROUP_ID):
         assert torch.equal(batch[key], expected[key]), key
-    trainer, _ = response_logprobs(base_model, *[batch[k] for k in KEYS[:4]], 1.0)
+    trainer, _ = response_logprobs(chain, *[batch[k] for k in KEYS[:4]], 1.0)
     gap = (batch[schema.ENGINE_LOG_PROB] - trainer).abs()[batch[schema.ACTION_MASK]]
     assert gap.max() < 1e-4 and (batch[schema.ENGINE_LOG_PROB][~batch[schema.ACTION_MASK]] == 0).all()
