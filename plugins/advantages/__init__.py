@@ -13,4 +13,5 @@ __all__, __getattr__ = lazy_exports(__name__, {
     "GRPO": "grpo:GRPO",
     "RLOO": "rloo:RLOO",
     "ReinforcePP": "reinforce_pp:ReinforcePP",
+    "TurnCredit": "turn:TurnCredit",
 })

@@ -169,7 +169,7 @@ class GAE(TensorDictModuleBase):
     >>> GAE(lmbda_critic=1.0, length_adaptive_alpha=0.05).lmbda_critic
     1.0
     >>> GAE.contract(gamma=0.99)
-    AdvantageContract(needs_critic=True, needs_groups=False, kl_in='reward', group_normalised=False, declared=True)
+    AdvantageContract(needs_critic=True, needs_groups=False, kl_in='reward', group_normalised=False, declared=True, needs_turns=False)
     """
 
     in_keys = [REWARD, VALUE, RESPONSE_MASK]
