@@ -170,9 +170,12 @@ def test_the_rendezvous_wait_says_how_long_and_ctrl_c_stops_it(tmp_path):
             time.sleep(0.2)
         time.sleep(1)
         os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        # Python runs the handler once torch's C++ store call returns: a SIGINT that lands inside
+        # one waits out that call (in CI's full suite, twice, over 60 s). What matters is that
+        # Ctrl-C ends the wait well before its 600 s, with 130 and no traceback.
+        assert proc.wait(timeout=240) == 130
         assert "Traceback" not in proc.stderr.read()
-        assert time.monotonic() - start < 120
+        assert time.monotonic() - start < 300
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
