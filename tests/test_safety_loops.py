@@ -152,7 +152,8 @@ def test_the_rendezvous_wait_says_how_long_and_ctrl_c_stops_it(tmp_path):
         port = s.getsockname()[1]
     # As from a terminal: none of the launcher state that earlier in-process launches of this
     # test session leave in os.environ (RLPIPE_LAUNCHED, torchrun's TORCHELASTIC_*, ranks), and
-    # SIGINT not ignored (an ignored signal is inherited across exec; a handled one is not).
+    # SIGINT not ignored (an ignored signal is inherited across exec; a handled one is not: CI's
+    # full suite left it ignored, and the child then waited out the join timeout).
     leaked = ("RLPIPE_LAUNCHED", "TORCHELASTIC_", "MASTER_", "GROUP_", "ROLE_", "LOCAL_", "RANK",
               "WORLD_SIZE")
     env = {k: v for k, v in os.environ.items() if not k.startswith(leaked)}
@@ -180,18 +181,15 @@ def test_the_rendezvous_wait_says_how_long_and_ctrl_c_stops_it(tmp_path):
             time.sleep(0.2)
         time.sleep(1)
         os.killpg(proc.pid, signal.SIGINT)
-        # Python runs the handler once torch's C++ store call returns: a SIGINT that lands inside
-        # one waits out that call (in CI's full suite, twice, over 60 s). What matters is that
-        # Ctrl-C ends the wait well before its 600 s, with 130 and no traceback.
         try:
-            status = proc.wait(timeout=240)
+            status = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             pytest.fail(f"Ctrl-C did not end the wait; its stderr: {proc.stderr.read()[-2000:]}")
         assert status == 130
         assert "Traceback" not in proc.stderr.read()
-        assert time.monotonic() - start < 300
+        assert time.monotonic() - start < 120
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
