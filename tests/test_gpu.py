@@ -153,13 +153,13 @@ TRAJECTORY_TOL = 1e-3   # float32 on both; no TF32 (torch's default for matmuls)
 
 
 def test_tiny_example_on_cuda_follows_the_cpu_trajectory(tmp_path):
-    """The tiny example, 10 steps, on CUDA and on CPU: the same sampled responses (the sampler's
-    uniforms come from the CPU generator) and every logged metric within TRAJECTORY_TOL."""
-    runs = {}
+    """The tiny example (all its steps) on CUDA and on CPU: the same sampled responses (the
+    sampler's uniforms come from the CPU generator) and every logged metric within TRAJECTORY_TOL."""
+    runs, steps = {}, load_config(TINY).run.steps
     for device in ("cuda", "cpu"):
         cfg = load_config(TINY, [f"run.output_dir={tmp_path / device}", f"run.device={device}"])
         runs[device] = logged_metrics(Pipeline(cfg, progress=False).train())
-    assert len(runs["cuda"]) == len(runs["cpu"]) == 10
+    assert len(runs["cuda"]) == len(runs["cpu"]) == steps
     for a, b in zip(runs["cuda"], runs["cpu"]):
         assert a.keys() == b.keys()
         for key, value in b.items():

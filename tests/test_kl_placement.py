@@ -101,9 +101,14 @@ def test_flat_rewards_leave_a_group_run_where_it_started(tmp_path, advantage):
     minibatch's round-off gradient into lr-sized moves (k2/k3 then hold the sequence KL near
     0.045 on this example, k1 lets it climb to 0.9; the issue notes, tests/README).
     Random weights: their round-off gradient here is exactly 0; the example's warm-started
-    weights give 4e-8 at step 1, which Adam's first (normalised) step turns into lr-sized moves."""
+    weights give 4e-8 at step 1, which Adam's first (normalised) step turns into lr-sized moves.
+    On the CPU: on CUDA the reference's scoring pass and the actor's update pass run other
+    kernels for their other batch shapes, so pi and pi_ref differ by ~1e-6 in log-prob before
+    any update (kl/ref 1e-12 at step 1 on an H200, 2026-11-28), and Adam's first step moves
+    every weight by lr whatever that gradient's size: this test's exact-zero premise is the CPU's."""
     cfg = tiny(tmp_path, f"advantage.name={advantage}", "collector.n=2", "kl.coef=0.5",
-               "run.steps=3", "train.epochs=1", "train.minibatches=1", "models.actor.init=random")
+               "run.steps=3", "train.epochs=1", "train.minibatches=1", "models.actor.init=random",
+               "run.device=cpu")
     pipe = Pipeline(cfg, progress=False, rewards=[zero])
     assert (pipe.plan.kl.in_, pipe.plan.kl.estimator) == ("loss", "k2")
     assert (pipe.kl.where, pipe.kl.estimator) == ("loss", "k2")  # the run's one penalty

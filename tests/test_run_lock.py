@@ -21,7 +21,7 @@ FAST = ["run.steps=1", "data.batch_size=2", "collector.max_new_tokens=6", "train
         "train.minibatches=1", "log.progress=false"]
 HOLD = ("import sys, time; from pathlib import Path; from rlpipe.core.run import runlock; "
         "runlock.hold(Path(sys.argv[1]), 'run.output_dir'); print('held', flush=True); "
-        "time.sleep(120)")
+        "time.sleep(3600)")   # until killed: a loaded machine's three runs may take minutes
 
 
 def holder(run_dir: Path) -> subprocess.Popen:

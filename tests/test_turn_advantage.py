@@ -236,6 +236,7 @@ def test_a_tiny_multi_turn_run_trains_with_per_turn_credit(chat_tiny, tmp_path):
     train(cfg, progress=False, callbacks=[record])
     assert len(record.seen) == 2
     for batch, metrics in record.seen:
+        batch = batch.cpu()   # the oracle's tensors are the CPU's (RLPIPE_TEST_DEVICE=cuda)
         action, adv = batch[S.ACTION_MASK], batch[S.ADVANTAGE]
         assert (adv[~action] == 0).all() and (adv[action] != 0).any()
         assert batch[S.NUM_TURNS].max() >= 2   # several turns, so per-turn credit is exercised

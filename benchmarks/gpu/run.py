@@ -41,7 +41,7 @@ Parts (each in a fresh process, so no allocator state carries over):
 6. ``largest``: Qwen2.5 at 1.5B, 3B and 7B (random weights), a full-parameter PPO step with
    every saver on (checkpointing, the critic on the actor's backbone, the reference offloaded):
    its peak memory, or the out-of-memory error.
-7. ``tiny``: the tiny example's ``metrics.jsonl`` on CUDA against CPU (10 steps): the largest
+7. ``tiny``: the tiny example's ``metrics.jsonl`` on CUDA against CPU (its 12 steps): the largest
    absolute difference of every metric, against a stated tolerance.
 
 ``--parts`` picks parts and their order. All seven take more than one 10-minute call; phases,
@@ -62,7 +62,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 ROOT = HERE.parents[1]
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # dense, SXM
-TINY_TOLERANCE = 1e-3   # |cuda - cpu| of a per-step metric over 10 steps, as tests/test_gpu.py
+TINY_TOLERANCE = 1e-3   # |cuda - cpu| of a per-step metric over the 12 steps, as tests/test_gpu.py
 LIMIT_S = {"phases": 240, "variants": 300, "logprobs": 120, "memory": 240, "tiny": 90}
 PARTS = ("phases", "variants", "logprobs", "static", "memory", "largest", "tiny")
 ROUNDS = 2   # alternating rounds of the update variants

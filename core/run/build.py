@@ -71,6 +71,7 @@ def _check_run_dir(cfg: Config, overwrite: bool, resume: bool, reads=()):
     """``(run_dir, state, changes)``: `rundir.state`, and the config changes a resume applies."""
     resume = resume or cfg.run.resume == "auto"
     run_dir = rundir.output_path(cfg.run.output_dir, "run.output_dir")
+    runlock.refuse_if_held(run_dir, "run.output_dir")   # a running run: "in use", not its files
     found = rundir.check_output(run_dir, rundir.RUN_LAYOUT, overwrite, resume, "run.output_dir",
                                 [*rundir.input_paths(cfg), *reads])
     changes = rundir.resume_changes(run_dir, cfg.to_dict()) if found == "run" and resume else {}

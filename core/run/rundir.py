@@ -187,6 +187,8 @@ def foreign_entries(path: Path, layout: Layout) -> list[str]:
 def _foreign(entry: Path, shown: str, patterns, dirs) -> str | None:
     """``shown`` (with ``/`` or `` (link)``) when ``entry`` is not one of ``patterns``, a
     folder where ``dirs`` says so and a file elsewhere, and not a link; else None."""
+    if not entry.is_symlink() and not entry.exists():
+        return None   # gone since it was listed (a running run publishing a checkpoint)
     is_dir = entry.is_dir() and not entry.is_symlink()
     if not entry.is_symlink() and _matches(entry.name, patterns) and is_dir == _matches(entry.name, dirs):
         return None
