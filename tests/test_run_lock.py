@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from rlpipe.core.run import runlock
@@ -49,6 +50,34 @@ def test_a_second_run_overwrite_or_resume_is_refused_while_another_process_holds
     result = harness.run(["run", config, f"run.output_dir={run_dir}", *FAST])
     assert result.returncode == 0, result.stderr[-2000:]
     assert not (run_dir / runlock.LOCK).exists()
+
+
+def test_a_held_directory_is_in_use_whatever_its_files_look_like(tmp_path):
+    """A running run's files change under a second process's look (a checkpoint publishes:
+    entries vanish between the listing and the look). The lock is asked first, so the answer is
+    "in use" even where the files alone would read as foreign; an entry gone since it was
+    listed is not foreign (seen on an H200, where steps are fast, 2026-11-28)."""
+    from rlpipe import load_config
+    from rlpipe.core.base.errors import UserError
+    from rlpipe.core.run import rundir
+    from rlpipe.core.run.build import check_run_dir
+
+    run_dir = tmp_path / "run"
+    proc = holder(run_dir)
+    try:
+        rundir.write_marker(run_dir, "run")
+        (run_dir / "checkpoints").mkdir()
+        (run_dir / "checkpoints" / "not-rlpipes").write_text("x")
+        cfg = load_config(EXAMPLES / "tiny" / "config.yaml", [f"run.output_dir={run_dir}"])
+        for overwrite, resume in ((True, False), (False, True), (False, False)):
+            with pytest.raises(UserError, match=rf"in use by another rlpipe process \(pid {proc.pid} "):
+                check_run_dir(cfg, overwrite, resume)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "not-rlpipes" in rundir.state(run_dir, rundir.RUN_LAYOUT)   # the files alone: foreign
+    gone = run_dir / "checkpoints" / ".tmp-step-000026"
+    assert rundir._foreign(gone, "checkpoints/.tmp-step-000026", ("x",), ()) is None
 
 
 def test_overwrite_cannot_delete_a_running_run(tmp_path, harness):

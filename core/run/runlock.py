@@ -114,6 +114,14 @@ def _in_use(file, out: Path, key: str) -> UserError:
                      f"end or choose another {key}")
 
 
+def refuse_if_held(out: Path, key: str) -> None:
+    """`hold`'s `UserError` if another process holds ``out``. Asked before ``out``'s files are
+    judged: a running run changes them meanwhile (a checkpoint publishing)."""
+    if out not in _HELD and (out / LOCK).is_file() and not (out / LOCK).is_symlink():
+        hold(out, key, shared=True)
+        _HELD.pop(out).release()
+
+
 def _open(path: Path, key: str, shared: bool):
     """``path`` opened to lock, never through a symbolic link (a link there is one `UserError`:
     its target, a user's file, is never truncated); ``shared`` in a folder this process cannot
