@@ -187,6 +187,37 @@ def test_a_hung_tool_comes_back_to_the_model_and_the_conversation_goes_on():
     assert int(batch["env", "timeouts"][0]) == 1 and batch[S.NUM_TURNS].tolist() == [2]
 
 
+def flood(n: int) -> str:
+    """Says a lot.
+
+    Args:
+        n: how many words
+    """
+    return " ".join(f"word{i}" for i in range(n))
+
+
+@pytest.mark.parametrize("cap", [7, None])
+def test_a_long_tool_answer_is_cut_in_the_runs_tokens_with_a_marker(cap):
+    """The tools environment declares ``max_output_tokens``; core cuts each answer in the run's
+    tokenizer's tokens (the environment has none), with a marker that says how many went."""
+    call = '<tool_call>{"name": "flood", "arguments": {"n": 200}}</tool_call>'
+    env = lambda: ToolsEnvironment([flood], max_output_tokens=cap)  # noqa: E731
+    batch, _, tok = run([[call, "Done."]], env=env,
+                        contract=ToolsEnvironment.contract([flood], max_output_tokens=cap))
+    content = [m for m in batch[S.CONVERSATION][0] if m["role"] == "tool"][0]["content"]
+    full = tok(flood(200), add_special_tokens=False)["input_ids"]
+    if cap is None:
+        assert content == flood(200)
+        return
+    assert content == f"{tok.decode(full[:cap])}\n[... {len(full) - cap} more tokens cut]"
+    assert S.STOP_REASONS[int(batch[S.STOP_REASON][0])] == "done"
+
+
+def test_a_cap_that_is_no_count_is_one_line():
+    with pytest.raises(UserError, match="max_observation_tokens must be an integer >= 1 or null, got 0"):
+        ToolsEnvironment.contract([flood], max_output_tokens=0)
+
+
 class Silent(Hangs):
     def reset(self, row, seed):
         return []

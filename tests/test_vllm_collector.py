@@ -14,6 +14,8 @@ import importlib
 import json
 import os
 import sys
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -119,7 +121,7 @@ def test_missing_vllm_raises_install_hint(monkeypatch):
     dict(top_k=-1), dict(n=0), dict(max_prompt_tokens=0), dict(stop_strings="stop"),
     dict(gpu_memory_utilization=1.5), dict(tensor_parallel_size=0), dict(dtype="fp8"),
     dict(max_model_len=0), dict(seed=1.5), dict(kv_cache_gb=0), dict(max_new_tokens=128),
-    dict(min_new_tokens=-1),
+    dict(min_new_tokens=-1), dict(tool_workers=0),
 ])
 def test_bad_args_raise_user_error(kwargs):
     tokenizer = build_tokenizer()
@@ -625,3 +627,103 @@ def test_multi_turn_on_the_engine_is_token_in_token_out_like_the_hf_collector(co
     trainer, _ = response_logprobs(chain, *[batch[k] for k in KEYS[:4]], 1.0)
     gap = (batch[schema.ENGINE_LOG_PROB] - trainer).abs()[batch[schema.ACTION_MASK]]
     assert gap.max() < 1e-4 and (batch[schema.ENGINE_LOG_PROB][~batch[schema.ACTION_MASK]] == 0).all()
+
+
+LOG: list = []   # (prompt, turn, time) of each step that returned, in the order they returned
+
+
+class Delayed(Echo):
+    """Answers with the row's own prompt after sleeping its ``delay`` seconds; logs each step."""
+
+    def reset(self, row, seed):
+        self.row, self.turn = row, 0
+        return super().reset(row, seed)
+
+    def step(self, action):
+        time.sleep(self.row["delay"])
+        self.turn += 1
+        LOG.append((self.row["prompt"], self.turn, time.monotonic()))
+        return [{"role": "user", "content": self.row["prompt"]}], 0.0, False, {}
+
+
+class Counting(Echo):
+    """Counts the steps running at once."""
+
+    lock, now, peak = threading.Lock(), 0, 0
+
+    def step(self, action):
+        with Counting.lock:
+            Counting.now += 1
+            Counting.peak = max(Counting.peak, Counting.now)
+        time.sleep(0.2)
+        with Counting.lock:
+            Counting.now -= 1
+        return super().step(action)
+
+
+def same_rows(a, b, log_prob_atol: float = 1e-4):
+    for key in (schema.PROMPT_IDS, schema.RESPONSE_IDS, schema.RESPONSE_MASK, schema.ACTION_MASK,
+                schema.TURN_ID, schema.GROUP_ID, schema.NUM_TURNS, schema.STOP_REASON,
+                schema.TURN_REWARD, (schema.ENV, "receipt")):
+        assert torch.equal(a[key], b[key]), key
+    assert a[schema.CONVERSATION] == b[schema.CONVERSATION]
+    # the same tokens in batches of other sizes: the engine's log-probs agree to float32 rounding
+    torch.testing.assert_close(a[schema.ENGINE_LOG_PROB], b[schema.ENGINE_LOG_PROB],
+                               atol=log_prob_atol, rtol=0)
+
+
+def test_multi_turn_streams_each_row_at_its_own_turn_past_a_slow_tool(collector, tokenizer,
+                                                                      base_model):
+    """``streams``: the first row's tool sleeps 1.5 s at every turn; the other rows run their
+    three turns on the engine meanwhile and end before its first step returns. The batch equals
+    the turn-batched loop's token for token (greedy, the chain model of the test above)."""
+    pairs = [(":", "one"), ("one", "two"), ("two", "three"), ("three", "</s>")]
+    collector.sync_weights(make_chain_model(copy.deepcopy(base_model), tokenizer, pairs))
+    contract = EnvironmentContract(max_turns=3, timeout_s=30)
+    rows_ = [{"prompt": p, "delay": 1.5 if i == 0 else 0.0} for i, p in enumerate(PROMPTS)]
+    LOG.clear()
+    streamed = MultiTurn(collector, Delayed, contract, tokenizer, 64, streams=True).collect(rows_)
+    log = list(LOG)
+    LOG.clear()
+    batched = MultiTurn(collector, Delayed, contract, tokenizer, 64).collect(rows_)
+    slow = next(t for p, turn, t in log if p == PROMPTS[0] and turn == 1)
+    ends = {p: t for p, turn, t in log if turn == 3}
+    assert len(ends) == len(PROMPTS) and all(ends[p] < slow for p in PROMPTS[1:]), log
+    assert max(t for p, turn, t in LOG if p != PROMPTS[0]) > slow   # turn-batched: held back
+    assert streamed[schema.NUM_TURNS].tolist() == [3] * len(PROMPTS)
+    same_rows(streamed, batched)
+
+
+def test_multi_turn_tool_steps_run_in_a_bounded_pool(collector, tokenizer, base_model):
+    pairs = [(":", "one"), ("one", "</s>")]
+    collector.sync_weights(make_chain_model(copy.deepcopy(base_model), tokenizer, pairs))
+    Counting.now = Counting.peak = 0
+    rows_ = [{"prompt": p} for p in PROMPTS]
+    with sampling(collector, n=2, tool_workers=3):
+        batch = MultiTurn(collector, Counting, EnvironmentContract(max_turns=2), tokenizer, 64,
+                          streams=True).collect(rows_)
+    assert batch[schema.NUM_TURNS].tolist() == [2] * 10
+    assert Counting.peak == 3, "never more steps at once than tool_workers, and the pool is used"
+
+
+def test_streamed_samples_do_not_depend_on_which_row_finishes_first(collector, tokenizer,
+                                                                    base_model):
+    """At temperature 1 each turn is a coin flip ("one" or "two", tied after ":"): each request
+    samples from its own seed (the row's and the turn's), so the same seed gives the same batch
+    whichever row's tool is slow, and another seed another batch."""
+    pairs = [(":", "one"), (":", "two"), ("one", "</s>"), ("two", "</s>")]
+    collector.sync_weights(make_chain_model(copy.deepcopy(base_model), tokenizer, pairs))
+    contract = EnvironmentContract(max_turns=3, timeout_s=30)
+
+    def run(slow: int, seed: int):
+        rows_ = [{"prompt": p, "delay": 0.4 if i == slow else 0.0} for i, p in enumerate(PROMPTS)]
+        with sampling(collector, temperature=1.0, n=2):
+            return MultiTurn(collector, Delayed, contract, tokenizer, 64, streams=True).collect(
+                rows_, seed)
+
+    first, last, other = run(0, 5), run(len(PROMPTS) - 1, 5), run(0, 6)
+    same_rows(first, last)
+    words = {tokenizer.convert_tokens_to_ids(w) for w in ("one", "two")}
+    drawn = first[schema.RESPONSE_IDS][first[schema.ACTION_MASK]].tolist()
+    assert words <= set(drawn), "both words drawn"
+    assert not torch.equal(first[schema.RESPONSE_IDS], other[schema.RESPONSE_IDS])

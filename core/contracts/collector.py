@@ -31,7 +31,7 @@ calls here and only here:
 >>> contract_of(Toy, {"num_samples": 4}, "toy").samples_per_prompt
 4
 >>> contract_of(object, {}, "bare")
-CollectorContract(samples_per_prompt=1, max_new_tokens=0, max_prompt_tokens=0, budget_args=('', ''), defaults=frozenset(), context_tokens=0, temperature=1.0, top_k=0, top_p=1.0, score_truncated=False, chat_template=False, overlaps_update=False)
+CollectorContract(samples_per_prompt=1, max_new_tokens=0, max_prompt_tokens=0, budget_args=('', ''), defaults=frozenset(), context_tokens=0, temperature=1.0, top_k=0, top_p=1.0, score_truncated=False, chat_template=False, overlaps_update=False, streams=False)
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ class EnvironmentContract:
     tool_call_format: str = "hermes"   # how the model writes calls (`rlpipe.core.base.toolcalls`)
     timeout_s: float = 30.0            # core's limit on one reset or step, in seconds
     deterministic: bool = False        # the same seed and actions give the same messages
+    max_observation_tokens: int | None = None   # core cuts a longer message (run's tokenizer)
 
     def problem(self) -> str | None:
         """What is wrong with these values, or None.
@@ -103,7 +104,30 @@ class EnvironmentContract:
             return f"tools: the names {', '.join(twice)} are used more than once"
         if not isinstance(self.deterministic, bool):
             return f"deterministic must be true or false, got {self.deterministic!r}"
+        cap = self.max_observation_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            return f"max_observation_tokens must be an integer >= 1 or null, got {cap!r}"
         return None
+
+
+def cut_messages(messages: list, cap: int | None, encode, decode) -> list:
+    """``messages`` with each text content past ``cap`` tokens (``encode``/``decode``: the
+    run's tokenizer) cut, with a marker that says how many tokens went.
+
+    >>> words = lambda text: text.split(); join = " ".join
+    >>> cut_messages([{"role": "tool", "content": "a b c d e"}], 2, words, join)
+    [{'role': 'tool', 'content': 'a b\\n[... 3 more tokens cut]'}]
+    """
+    if cap is None:
+        return messages
+    out = []
+    for message in messages:
+        ids = encode(message["content"]) if isinstance(message["content"], str) else []
+        if len(ids) > cap:
+            message = {**message, "content": f"{decode(ids[:cap])}\n[... {len(ids) - cap} more "
+                                             f"tokens cut]"}
+        out.append(message)
+    return out
 
 
 def contract_of(environment, args: dict, label: str) -> EnvironmentContract:

@@ -69,6 +69,8 @@ class CollectorContract:
     overlaps_update: bool = False   # ``collect`` may run in a thread while the actor trains: the
                                     # engine holds its own weights (``sync_weights`` alone
                                     # changes them) and computes apart (``rollout.staleness: 1``)
+    streams: bool = False           # offers ``converse(requests, on_done)``: multi-turn rows
+                                    # each at its own turn (`rlpipe.core.step.multiturn`)
 
     @property
     def truncation(self) -> Truncation | None:

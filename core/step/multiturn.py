@@ -40,7 +40,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlpipe.core.base import schema as S
 from rlpipe.core.base.errors import UserError
-from rlpipe.core.contracts.environment import EnvironmentContract, call_env
+from rlpipe.core.contracts.environment import EnvironmentContract, call_env, cut_messages
 from rlpipe.core.contracts.registry import PluginError
 from rlpipe.core.step.journal import Journal
 
@@ -150,8 +150,11 @@ class MultiTurn:
     """
 
     def __init__(self, collector, make_env, contract: EnvironmentContract, tokenizer,
-                 max_response_tokens: int, label: str = "environment"):
+                 max_response_tokens: int, label: str = "environment", streams: bool = False):
         self.collector, self.make_env, self.contract, self.label = collector, make_env, contract, label
+        self.streams = streams  # the collector's contract says it offers ``converse`` (`_turn`)
+        if streams and not callable(getattr(collector, "converse", None)):
+            raise PluginError(f"{label}: the collector declares streams but has no converse()")
         self.journal: Journal | None = None
         self.render = Renderer(tokenizer, contract.tools)
         self.budget = max_response_tokens
@@ -162,8 +165,9 @@ class MultiTurn:
 
     def collect(self, rows: list[dict], seed: int = 0, step: int | None = None) -> TensorDict:
         """``n`` conversations per dataset row (``collector.n``), turn by turn: each turn the rows
-        still going generate together (a shrinking batch), then their environments answer.
-        ``step``: the numbered step, the journal's key (None: no journal)."""
+        still going generate together (a shrinking batch), then their environments answer; or,
+        where the collector streams, each row at its own turn (`_turn`). ``step``: the numbered
+        step, the journal's key (None: no journal)."""
         n = self.collector.n
         journaled = self.journal is not None and step is not None
         base = self.journal.begin(step, len(rows) * n) if journaled else None
@@ -177,6 +181,9 @@ class MultiTurn:
             text = self.render(c.messages, True)
             c.prompt, c.pieces = self.render.encode(text), [("text", text)]
             convs.append(c)
+        if self.streams:  # each row at its own turn, to its end (no row is left active below)
+            self.collector.converse([self._request(c, 0, seed + k) for k, c in enumerate(convs)],
+                                    self._turn)
         for turn in range(self.contract.max_turns):
             active = [c for c in convs if c.stop is None]
             if not active:
@@ -187,11 +194,9 @@ class MultiTurn:
 
     def _act(self, active: list[Row], turn: int) -> None:
         """One engine call for the active rows: each row's sampled ids become an action."""
-        left = [self.budget - len(c.ids) for c in active]
-        cap = min(self.collector.max_new_tokens, max(left))
+        cap = min(self.collector.max_new_tokens, max(self.budget - len(c.ids) for c in active))
         ids = [c.prompt + c.ids for c in active]
-        width = max(map(len, ids))
-        pad = self.collector.pad_id
+        width, pad = max(map(len, ids)), self.collector.pad_id
         prompt_ids = torch.tensor([[pad] * (width - len(r)) + r for r in ids])
         prompt_mask = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in ids])
         device = self.collector.device
@@ -203,20 +208,40 @@ class MultiTurn:
             self.collector.n, self.collector.max_new_tokens = saved
         for i, c in enumerate(active):
             mask = out[S.RESPONSE_MASK][i].bool()
-            sampled = out[S.RESPONSE_IDS][i][mask].tolist()[:left[i]]
-            logp = out[S.ENGINE_LOG_PROB][i][mask].tolist()[:left[i]]
-            by_eos = bool(sampled) and sampled[-1] in self.eos_ids
-            complete = bool(out[S.FINISHED][i]) and len(sampled) == int(mask.sum())
-            words = sampled[:-1] if by_eos else sampled
-            content = self.render.decode(words, False)
-            c.pieces.append(("action", content, by_eos, self.render.encode(content) == words))
-            c.ids += sampled
-            c.action += [True] * len(sampled)
-            c.turn += [turn] * len(sampled)
-            c.logp += logp
-            c.messages.append({"role": "assistant", "content": content})
-            if not complete:   # the row's budget, or this turn's max_new_tokens, ran out
-                c.stop = "length" if len(sampled) == left[i] else "turn_length"
+            self._take(c, out[S.RESPONSE_IDS][i][mask].tolist(),
+                       out[S.ENGINE_LOG_PROB][i][mask].tolist(), bool(out[S.FINISHED][i]), turn)
+
+    def _take(self, c: Row, sampled: list, logp: list, finished: bool, turn: int) -> None:
+        """The ids the engine sampled for ``c`` (``finished``: it stopped by itself) as its action,
+        cut at the row's budget."""
+        left = self.budget - len(c.ids)
+        complete, sampled, logp = finished and len(sampled) <= left, sampled[:left], logp[:left]
+        by_eos = bool(sampled) and sampled[-1] in self.eos_ids
+        words = sampled[:-1] if by_eos else sampled
+        content = self.render.decode(words, False)
+        c.pieces.append(("action", content, by_eos, self.render.encode(content) == words))
+        c.ids += sampled
+        c.action += [True] * len(sampled)
+        c.turn += [turn] * len(sampled)
+        c.logp += logp
+        c.messages.append({"role": "assistant", "content": content})
+        if not complete:   # the row's budget, or this turn's max_new_tokens, ran out
+            c.stop = "length" if len(sampled) == left else "turn_length"
+
+    def _request(self, c: Row, turn: int, seed: int) -> tuple:
+        """A row's next turn for `converse`: ``(key, ids, max_new_tokens, seed)`` (turns < 4099)."""
+        cap = min(self.collector.max_new_tokens, self.budget - len(c.ids))
+        return (c, turn, seed), c.prompt + c.ids, cap, seed * 4099 + turn
+
+    def _turn(self, key: tuple, sampled: list, logp: list, finished: bool) -> tuple | None:
+        """A streamed row's turn was sampled (called in the collector's pool): it becomes the
+        action, the environment answers (`_answer`, one row), and the row's next turn is returned
+        (None: it ended); for the same ids, the turn-batched loop's row."""
+        c, turn, seed = key
+        self._take(c, sampled, logp, finished, turn)
+        if c.stop is None:
+            self._answer([c], turn)
+        return None if c.stop is not None else self._request(c, turn + 1, seed)
 
     def _call(self, c: Row, call: int, method: str, args: list) -> tuple[str, object]:
         """``c.env.METHOD(*args)`` (`call_env`): ``("ok", result)``, or ``("error", err)`` for a
@@ -293,6 +318,8 @@ class MultiTurn:
 
     def _observe(self, c: Row, new: list, turn: int) -> None:
         """Append the template's rendering of ``new`` to the row (cut at the row's budget)."""
+        new = cut_messages(new, self.contract.max_observation_tokens, self.render.encode,
+                           lambda ids: self.render.decode(ids, special=False))
         text = observation(self.render, c, c.messages[-1]["content"], new, self.eos_text,
                            c.pieces[-1][2])  # the action just taken: did it end with EOS
         ids = self.render.encode(text)

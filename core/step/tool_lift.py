@@ -46,4 +46,4 @@ def without_tools(turns: MultiTurn) -> MultiTurn:
     environment wrapped in `ToolsDisabled`."""
     fmt, make = turns.contract.tool_call_format, turns.make_env
     return MultiTurn(turns.collector, lambda: ToolsDisabled(make(), fmt), turns.contract,
-                     turns.render.tokenizer, turns.budget, turns.label)
+                     turns.render.tokenizer, turns.budget, turns.label, turns.streams)

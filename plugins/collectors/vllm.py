@@ -18,17 +18,23 @@ engine renormalises over the kept tokens; the trainer does too with ``score_trun
 
 Evaluation samples from the same engine through `VLLMCollector.sampling_view` (its temperature,
 one sample per prompt, a seed per request), not from a second engine.
+
+Multi-turn conversations stream (``CollectorContract.streams``): `VLLMCollector.converse` keeps
+every conversation on the engine at its own turn, its environment's steps in a bounded pool of
+``tool_workers`` threads, so a slow tool holds back its own conversation only.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import os
 import re
 import shutil
 import tempfile
 import typing
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +71,7 @@ class VLLMCollector(Collector):
         enforce_eager: no CUDA graphs (faster start, slower decode)
         seed: engine seed (null: run.seed)
         kv_cache_gb: fixed KV-cache size in GiB (set it on CPU)
+        tool_workers: multi-turn: environment steps run at once (null: min(32, conversations))
     """
 
     name = "vllm"
@@ -73,7 +80,7 @@ class VLLMCollector(Collector):
     def contract(cls, **args) -> CollectorContract:
         """The shared arguments' contract, with the engine's ``max_model_len`` as its context;
         the engine runs in its own process, so sampling may overlap the update."""
-        return dataclasses.replace(super().contract(**args), overlaps_update=True,
+        return dataclasses.replace(super().contract(**args), overlaps_update=True, streams=True,
                                    context_tokens=args.get("max_model_len") or 0)
 
     def __init__(self, ctx, *, max_new_tokens: Count = 64, temperature: Temperature = 1.0,
@@ -83,12 +90,14 @@ class VLLMCollector(Collector):
                  enable_sleep_mode: bool = False, dtype: EngineDType = "auto",
                  max_model_len: Count | None = None, enforce_eager: bool = True,
                  seed: int | None = None, kv_cache_gb: Annotated[float, Bound("> 0")] | None = None,
-                 min_new_tokens: Tokens = 0, score_truncated: bool = False):
+                 min_new_tokens: Tokens = 0, score_truncated: bool = False,
+                 tool_workers: Count | None = None):
         self.check_own_args(gpu_memory_utilization=gpu_memory_utilization,
                             tensor_parallel_size=tensor_parallel_size,
                             enable_sleep_mode=enable_sleep_mode, dtype=dtype,
                             max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
-                            kv_cache_gb=kv_cache_gb)
+                            kv_cache_gb=kv_cache_gb, tool_workers=tool_workers)
+        self.tool_workers = tool_workers
         super().__init__(ctx, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                          top_k=top_k, n=n, max_prompt_tokens=max_prompt_tokens,
                          chat_template=chat_template, stop_strings=stop_strings,
@@ -134,14 +143,18 @@ class VLLMCollector(Collector):
         view.temperature, view.n, view.owns_engine = temperature, n, False
         return view
 
-    def _sampling_params(self, seed: int | None = None):
-        """vLLM `SamplingParams` from the collector's settings; ``logprobs=0``: the sampled
-        token's log-prob only; ``seed``: the request's own random stream (None: the engine's)."""
+    def _sampling_params(self, seed: int | None = None, n: int | None = None,
+                         max_tokens: int | None = None):
+        """vLLM `SamplingParams` from the collector's settings (``n``, ``max_tokens``: other
+        values); ``logprobs=0``: the sampled token's log-prob only; ``seed``: the request's own
+        random stream (None: the engine's)."""
         from vllm import SamplingParams
 
+        max_tokens = self.max_new_tokens if max_tokens is None else max_tokens
         return SamplingParams(
-            n=self.n, seed=seed, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens, logprobs=0,
+            n=n or self.n, seed=seed, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, max_tokens=max_tokens, logprobs=0,
+            min_tokens=min(self.min_new_tokens, max_tokens),
             ignore_eos=False,
             stop_token_ids=self.eos_ids, stop=list(self.stop_strings) or None,
             include_stop_str_in_output=True, detokenize=bool(self.stop_strings),
@@ -172,7 +185,8 @@ class VLLMCollector(Collector):
 
         self._wake()
         params = self._sampling_params()   # the settings as they are now (multi-turn sets n=1
-        if not self.owns_engine:           # and each turn's max_new_tokens for its calls)   # a view: each request its own seed, from torch's RNG
+        if not self.owns_engine:           # and each turn's max_new_tokens for its calls);
+            # a view: each request its own seed, from torch's RNG
             params = [self._sampling_params(seed)
                       for seed in torch.randint(2**31 - 1, (len(rows),)).tolist()]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=row) for row in rows],
@@ -180,17 +194,60 @@ class VLLMCollector(Collector):
         if self.enable_sleep_mode:          # free the GPU for the PPO update
             self.llm.sleep(level=1)
             self.engine.asleep = True
-        samples = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
-        for c in samples:
-            if c.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vllm collector: a request ended with {c.finish_reason!r}")
-        tokens = [list(c.token_ids) for c in samples]
-        response_ids, response_mask = pad_rows(tokens, self.pad_id)
-        engine_log_prob, _ = pad_rows([[step[t].logprob for step, t in zip(c.logprobs, ids)]
-                                       for c, ids in zip(samples, tokens)], 0.0, dtype=torch.float32)
+        samples = [_sample(c) for out in outputs
+                   for c in sorted(out.outputs, key=lambda c: c.index)]
+        response_ids, response_mask = pad_rows([ids for ids, _, _ in samples], self.pad_id)
+        engine_log_prob, _ = pad_rows([logp for _, logp, _ in samples], 0.0, dtype=torch.float32)
         return {schema.RESPONSE_IDS: response_ids, schema.RESPONSE_MASK: response_mask,
-                schema.FINISHED: torch.tensor([c.finish_reason == "stop" for c in samples]),
+                schema.FINISHED: torch.tensor([stop for _, _, stop in samples]),
                 schema.ENGINE_LOG_PROB: engine_log_prob}
+
+    def converse(self, requests: list[tuple], on_done) -> None:
+        """Multi-turn conversations on the engine, each at its own turn (``streams``).
+        ``requests``: the first turns, ``(key, prompt_ids, max_new_tokens, seed)``. As each is
+        sampled, ``on_done(key, ids, log_probs, finished)`` runs in a pool of ``tool_workers``
+        threads (the environment's step runs there); the request it returns (None: that
+        conversation has ended) goes to the engine at once, while the others are still sampling or
+        waiting on their tools. Only this thread touches the engine (``add_request``, ``step``).
+        Each request samples from its own seed, so its tokens do not depend on which others share
+        its batch or finish first; what ``on_done`` raises is raised here, the rest aborted."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._wake()
+        engine, keys, running = self.llm.llm_engine, {}, set()
+
+        def add(request) -> None:
+            key, ids, max_tokens, seed = request
+            params = self._sampling_params(seed % 2**63, n=1, max_tokens=max_tokens)
+            params.output_kind = RequestOutputKind.FINAL_ONLY    # one output, when it ends
+            rid = f"rlpipe-turn-{next(self.engine.requests)}"
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+            keys[rid] = key
+
+        workers = self.tool_workers or min(32, max(1, len(requests)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="rlpipe-tool") as pool:
+            try:
+                for request in requests:
+                    add(request)
+                while keys or running:
+                    for future in [f for f in running if f.done()]:
+                        running.discard(future)
+                        if (request := future.result()) is not None:
+                            add(request)
+                    if keys:
+                        running |= {pool.submit(on_done, keys.pop(out.request_id),
+                                                *_sample(out.outputs[0]))
+                                    for out in engine.step() if out.finished}
+                    elif running:          # every conversation waits on its tool
+                        wait(running, return_when=FIRST_COMPLETED)
+            except BaseException:
+                engine.abort_request(list(keys))
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+        if self.enable_sleep_mode:
+            self.llm.sleep(level=1)
+            self.engine.asleep = True
 
     @torch.no_grad()
     def sync_weights(self, model) -> None:
@@ -232,11 +289,21 @@ class VLLMCollector(Collector):
 
 @dataclass
 class _Engine:
-    """What a collector and its views share about their engine: asleep (sleep mode), and how
-    many weight loads it has had."""
+    """What a collector and its views share about their engine: asleep (sleep mode), how many
+    weight loads it has had, and a counter naming `converse`'s requests."""
 
     asleep: bool = False
     version: int = 0
+    requests: itertools.count = dataclasses.field(default_factory=itertools.count)
+
+
+def _sample(c) -> tuple[list[int], list[float], bool]:
+    """A vLLM completion's token ids, their log-probs, and whether it stopped by itself (EOS or a
+    stop string) rather than at its token cap."""
+    if c.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vllm collector: a request ended with {c.finish_reason!r}")
+    ids = list(c.token_ids)
+    return ids, [step[t].logprob for step, t in zip(c.logprobs, ids)], c.finish_reason == "stop"
 
 
 class WorkerExtension:

@@ -133,20 +133,23 @@ class ToolsEnvironment:
         max_turns: the model's turns per conversation
         timeout_s: the limit on one turn's tool calls, in seconds
         max_output_chars: a tool's output is cut past this many characters (with a marker)
+        max_output_tokens: core then cuts each answer past this many tokens of the run's
+            tokenizer (with a marker; null: characters only)
         tool_call_format: how the model writes tool calls (hermes: <tool_call>{json}</tool_call>)
     """
 
     def __init__(self, tools: list, max_turns: int = 4, timeout_s: float = 10.0,
-                 max_output_chars: int = 4000, tool_call_format: str = "hermes"):
+                 max_output_chars: int = 4000, max_output_tokens: int | None = 1024,
+                 tool_call_format: str = "hermes"):
         self.declared = self.contract(tools, max_turns, timeout_s, max_output_chars,
-                                      tool_call_format)
+                                      max_output_tokens, tool_call_format)
         self.tools = _tools(tools)
         self.max_output_chars, self.timeout_s = max_output_chars, float(timeout_s)
 
     @classmethod
     def contract(cls, tools: list = (), max_turns: int = 4, timeout_s: float = 10.0,
-                 max_output_chars: int = 4000, tool_call_format: str = "hermes"
-                 ) -> EnvironmentContract:
+                 max_output_chars: int = 4000, max_output_tokens: int | None = 1024,
+                 tool_call_format: str = "hermes") -> EnvironmentContract:
         """The contract, before any model loads: the tools are loaded and their schemas read;
         values out of range are one line.
 
@@ -160,7 +163,8 @@ class ToolsEnvironment:
             raise UserError(f"environment 'tools': max_output_chars must be an integer >= 1, "
                             f"got {max_output_chars!r}")
         contract = EnvironmentContract(max_turns=max_turns, timeout_s=timeout_s,
-                                       tool_call_format=tool_call_format, deterministic=False)
+                                       tool_call_format=tool_call_format, deterministic=False,
+                                       max_observation_tokens=max_output_tokens)
         problem = contract.problem()
         if problem:
             raise UserError(f"environment 'tools': {problem}")
@@ -169,7 +173,7 @@ class ToolsEnvironment:
         # timeout_s comes back to the model as a message instead of ending its conversation
         grace = 1.0 + 0.1 * timeout_s
         return EnvironmentContract(max_turns, schemas, tool_call_format,
-                                   float(timeout_s + grace), False)
+                                   float(timeout_s + grace), False, max_output_tokens)
 
     def reset(self, row: dict, seed: int) -> list[dict]:
         """The row's prompt as messages: ``messages`` (a list of chat messages), or ``prompt``
