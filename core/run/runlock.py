@@ -67,7 +67,13 @@ def hold(out: Path, key: str, shared: bool = False) -> Held:
         try:
             fcntl.flock(file, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise _in_use(file, out, key) from None
+            file.seek(0)
+            holder = file.read().strip()
+            file.close()
+            pid = holder.split()[0] if holder else ""
+            who = f"pid {holder}" if pid.isdigit() and _alive(int(pid)) else "an rlpipe export"
+            raise UserError(f"{key}: {out} is in use by another rlpipe process ({who}); wait "
+                            f"for it to end or choose another {key}") from None
         if _same_file(path, file):
             break
         file.close()  # its holder deleted the file while this process waited: lock the new one
@@ -77,41 +83,6 @@ def hold(out: Path, key: str, shared: bool = False) -> Held:
         file.flush()
     _HELD[out] = Held(file, path)
     return _HELD[out]
-
-
-def refuse_if_held(out: Path, key: str) -> None:
-    """One `UserError` naming the holder if another process holds ``out``; opens nothing
-    writable, creates nothing. Asked before ``out``'s files are judged: a running run changes
-    them meanwhile (a checkpoint being published), and "in use" is the answer then.
-
-    >>> import tempfile, pathlib
-    >>> d = pathlib.Path(tempfile.mkdtemp())
-    >>> refuse_if_held(d, "run.output_dir"); sorted(d.iterdir())   # free: nothing written
-    []
-    """
-    path = out / LOCK
-    if out in _HELD or path.is_symlink() or not path.is_file():
-        return
-    try:
-        file = open(path, encoding="utf-8")
-    except OSError:
-        return   # unreadable: `hold` says why, once it gets there
-    try:
-        fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise _in_use(file, out, key) from None
-    file.close()   # closing drops the probe's shared lock
-
-
-def _in_use(file, out: Path, key: str) -> UserError:
-    """The error for ``out``, whose lock ``file`` another process holds (``file`` is closed)."""
-    file.seek(0)
-    holder = file.read().strip()
-    file.close()
-    pid = holder.split()[0] if holder else ""
-    who = f"pid {holder}" if pid.isdigit() and _alive(int(pid)) else "an rlpipe export"
-    return UserError(f"{key}: {out} is in use by another rlpipe process ({who}); wait for it to "
-                     f"end or choose another {key}")
 
 
 def refuse_if_held(out: Path, key: str) -> None:
