@@ -85,7 +85,7 @@ def test_config_prints_every_plugin_argument():
     assert out.exit_code == 0, out.output
     resolved = yaml.safe_load(out.output)
     hf = {s.key for s in plugin_settings("collectors", "hf")}
-    assert set(resolved["collector"]) == {"name"} | hf and len(hf) == 12
+    assert set(resolved["collector"]) == {"name"} | hf and len(hf) == 13
     assert resolved["collector"]["max_new_tokens"] == 24  # the file's value, not the default
     assert resolved["collector"]["cache"] == "dynamic"   # the signature's default
     assert resolved["rewards"][1]["min_repeats"] == 3

@@ -53,10 +53,21 @@ _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions")
 
 
+def _eval_sources(prompts, conv):
+    """``eval.prompts`` checked as ``data.prompts``; a mapping's names are identifiers."""
+    if not isinstance(prompts, dict):
+        return data_source(prompts, conv, "eval.prompts")
+    if not prompts or not all(str(name).isidentifier() for name in prompts):
+        raise UserError(f"eval.prompts: a mapping needs names made of letters, digits and _, "
+                        f"got {list(prompts)}")
+    return {n: data_source(conv.value(s, Path | str, f"eval.prompts.{n}"), conv, f"eval.prompts.{n}")
+            for n, s in prompts.items()}
+
+
 def check_config(cfg, conv) -> None:
     """Every rule above; the first one broken is a `UserError` naming its key."""
     cfg.data.prompts = data_source(cfg.data.prompts, conv, "data.prompts")
-    cfg.eval.prompts = data_source(cfg.eval.prompts, conv, "eval.prompts")
+    cfg.eval.prompts = _eval_sources(cfg.eval.prompts, conv)
     for key, group in PLUGIN_GROUPS.items():
         sections = getattr(cfg, key)
         for i, section in enumerate(sections if isinstance(sections, list) else

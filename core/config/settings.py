@@ -149,11 +149,11 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
-    prompts: Path | str | None = opt(None, "held-out prompts, as data.prompts (null: no evaluation)")
+    prompts: Path | str | dict | None = opt(None, "held-out prompts as data.prompts (null: none), "
+                                            "or name -> such: the first eval/*, others eval/<name>/*")
     split: str = opt("train", "as data.split")
     prompt_key: str = opt("prompt", "as data.prompt_key")
-    every: int = num(0, ">= 0", "evaluate at step 0, every N steps and after the last step "
-                                "(0: step 0 and the last step only)")
+    every: int = num(0, ">= 0", "evaluate at step 0, every N steps and the last (0: none between)")
     max_prompts: int | None = num(None, ">= 1", "evaluate the first N rows (null: all)")
     temperature: float = num(0.0, ">= 0", "sampling temperature of evaluation (0: greedy); the "
                                           "other collector arguments are training's, n: 1")

@@ -110,24 +110,18 @@ class EnvironmentContract:
         return None
 
 
-def cut_messages(messages: list, cap: int | None, encode, decode) -> list:
-    """``messages`` with each text content past ``cap`` tokens (``encode``/``decode``: the
-    run's tokenizer) cut, with a marker that says how many tokens went.
+def cut_messages(messages: list, cap: int | None, tokenizer) -> list:
+    """Each text content of ``messages`` past ``cap`` tokens (``tokenizer.encode`` and
+    ``decode``: the run's) cut, with a marker that says how many went.
 
-    >>> words = lambda text: text.split(); join = " ".join
-    >>> cut_messages([{"role": "tool", "content": "a b c d e"}], 2, words, join)
+    >>> import types; words = types.SimpleNamespace(encode=str.split, decode=" ".join)
+    >>> cut_messages([{"role": "tool", "content": "a b c d e"}], 2, words)
     [{'role': 'tool', 'content': 'a b\\n[... 3 more tokens cut]'}]
     """
-    if cap is None:
-        return messages
-    out = []
-    for message in messages:
-        ids = encode(message["content"]) if isinstance(message["content"], str) else []
-        if len(ids) > cap:
-            message = {**message, "content": f"{decode(ids[:cap])}\n[... {len(ids) - cap} more "
-                                             f"tokens cut]"}
-        out.append(message)
-    return out
+    ids = [tokenizer.encode(m["content"]) if cap and isinstance(m["content"], str) else ()
+           for m in messages]
+    return [{**m, "content": f"{tokenizer.decode(i[:cap])}\n[... {len(i) - cap} more tokens cut]"}
+            if cap and len(i) > cap else m for m, i in zip(messages, ids)]
 
 
 def contract_of(environment, args: dict, label: str) -> EnvironmentContract:

@@ -279,7 +279,7 @@ def multi_turn(plan: RunPlan, ctx: RunContext, collector) -> MultiTurn | None:
     else:
         fresh = lambda: _make(plan.environment, ctx)  # noqa: E731
     return MultiTurn(collector, fresh, plan.environment_contract, ctx.tokenizer, budget,
-                     plan.environment.label)
+                     plan.environment.label, plan.sampling.streams)
 
 
 def needs_critic(cfg: Config) -> bool:
@@ -297,7 +297,7 @@ def needs_critic(cfg: Config) -> bool:
     return advantage_contract(plugin.obj, args, label).needs_critic
 
 
-def load_run_data(cfg, plan: RunPlan, dataset=None) -> tuple[PromptData, PromptData | None]:
+def load_run_data(cfg, plan: RunPlan, dataset=None) -> tuple[PromptData, dict | None]:
     """The training data (``dataset``, else ``data.prompts``) and the held-out data
     (``eval.prompts``, or None), checked before any model is built: chat prompts against the
     collector's chat template, the columns each reward's contract reads."""
@@ -307,10 +307,12 @@ def load_run_data(cfg, plan: RunPlan, dataset=None) -> tuple[PromptData, PromptD
                         "pass dataset= to Pipeline(...) / train(...) in Python")
     source, key = (d.prompts, "data.prompts") if dataset is None else (dataset, "dataset")
     data = load_prompt_data(source, d.split, d.prompt_key, key)
-    held_out = None if e.prompts is None else load_prompt_data(e.prompts, e.split, e.prompt_key,
-                                                                "eval.prompts")
+    held_out = {name: load_prompt_data(source, e.split, e.prompt_key, "eval.prompts" +
+                                       (name and f".{name}"))
+                for name, source in (e.prompts if isinstance(e.prompts, dict) else
+                                     {"": e.prompts} if e.prompts else {}).items()}
     readers = {stage.name: contract for stage, contract in zip(plan.rewards, plan.reward_contracts)}
-    for found in filter(None, (data, held_out)):
+    for found in (data, *held_out.values()):
         check_reward_columns(readers, found, found.source)
         if found.chat and plan.sampling.chat_template:
             raise UserError(f"collector.chat_template: the prompts of {found.source} are chat "
@@ -319,7 +321,7 @@ def load_run_data(cfg, plan: RunPlan, dataset=None) -> tuple[PromptData, PromptD
     if len(data) < d.batch_size:
         print(f"warning: {key} has {len(data)} prompt(s), fewer than data.batch_size="
               f"{d.batch_size}: prompts repeat within a step", file=sys.stderr)
-    return data, held_out
+    return data, held_out or None
 
 
 @dataclass
@@ -335,7 +337,7 @@ class Run:
     ctx: RunContext           # what plugins were built with
     plugins: Plugins          # collector, rewards, advantage, loss
     data: PromptData          # training prompts, checked before any model loads
-    eval_data: PromptData | None
+    eval_data: dict[str, PromptData] | None   # by eval.prompts' name ("": its one source)
 
 
 def build_run(cfg: Config, plan: RunPlan, overwrite: bool = False, resume: bool = False,
@@ -387,7 +389,7 @@ def _build_in(cfg, plan, dist, device, run_dir, lock, data, eval_data, dataset) 
     if plugins.environment is not None:  # training's environment calls (docs/replay.md)
         plugins.environment.journal = Journal(run_dir / FOLDER, dist.rank)
     status.say(f"plugins ready in {took():.1f} s")
-    for found in filter(None, (data, eval_data)):
+    for found in (data, *(eval_data or {}).values()):
         found.use_tokenizer(models.tokenizer)  # chat prompts through the template, every row
     origin = cfg.data.prompts if dataset is None else "the dataset= object"
     status.say(f"data: {len(data)} prompts from {origin}, {cfg.data.batch_size} per step")

@@ -5,6 +5,9 @@ Metrics join that step's row of ``metrics.jsonl``: ``eval/score`` (weighted sum 
 clipped by ``reward.clip``, never normalised), ``eval/reward/<label>`` (each part's mean),
 ``eval/response/length`` and ``time/eval_s``. Each evaluation's samples go to
 ``RUN_DIR/samples/eval-step-N.jsonl`` (prompt, response, score, parts, data columns, in row order).
+With several held-out sets (``eval.prompts`` a mapping name -> source) each is evaluated in turn
+on the same weights and RNG seed: the first as above, each other one as ``eval/<name>/*`` and
+``samples/eval-step-N.<name>.jsonl`` (the tool lift runs on the first only).
 
 With an environment (``environment``), evaluation runs the same multi-turn conversations as
 training (`rlpipe.core.step.multiturn.MultiTurn` over the evaluation's sampler, so greedy by
@@ -106,9 +109,12 @@ def _env_metrics(samples: list[dict]) -> dict[str, float]:
 class Evaluator:
     """Runs the evaluation of one run: `run` at the steps `due` names."""
 
-    def __init__(self, cfg, data: PromptData, collector, rewards, dist, device, run_dir: Path,
-                 compute=contextlib.nullcontext, own_engine: bool = True, turns=None):
-        self.cfg, self.data, self.collector, self.rewards = cfg.eval, data, collector, rewards
+    def __init__(self, cfg, data: dict[str, PromptData] | PromptData, collector, rewards, dist,
+                 device, run_dir: Path, compute=contextlib.nullcontext, own_engine: bool = True,
+                 turns=None):
+        self.cfg, self.collector, self.rewards = cfg.eval, collector, rewards
+        self.sets = {name: (d, self._parts(d, cfg.eval, dist)) for name, d in
+                     (data if isinstance(data, dict) else {"": data}).items()}
         self.turns = turns  # a `MultiTurn` over ``collector`` with an environment, else None
         self.no_tools = (without_tools(turns) if turns is not None and turns.contract.tools
                          and cfg.eval.tool_lift else None)  # the same conversations, tools off
@@ -116,14 +122,18 @@ class Evaluator:
         self.compute = compute  # the context the actor's forwards run in (`Models.compute`)
         self.dist, self.device, self.seed = dist, device, cfg.run.seed
         self.samples_dir = Path(run_dir) / SAMPLES_DIR
-        n = len(data) if cfg.eval.max_prompts is None else min(len(data), cfg.eval.max_prompts)
+
+    @staticmethod
+    def _parts(data: PromptData, cfg, dist) -> list[list[int]]:
+        """This rank's rows of ``data``, in collect() calls of at most ``cfg.batch_size``."""
+        n = len(data) if cfg.max_prompts is None else min(len(data), cfg.max_prompts)
         if n < dist.world:
             raise UserError(f"eval.prompts: {n} prompt(s) for {dist.world} processes; give at "
                             f"least one per process")
         share = list(range(n))[dist.rank::dist.world]
         biggest, smallest = -(-n // dist.world), n // dist.world
-        count = min(-(-biggest // cfg.eval.batch_size), smallest)  # same count on every rank
-        self.parts = _chunks(share, count)
+        count = min(-(-biggest // cfg.batch_size), smallest)  # same count on every rank
+        return _chunks(share, count)
 
     @staticmethod
     def due(every: int, step: int, last: int) -> bool:
@@ -133,20 +143,24 @@ class Evaluator:
     def run(self, step: int, actor) -> dict[str, float]:
         """Evaluate the current ``actor``; the metrics (same on every rank), and the samples file
         written by rank 0."""
-        t0 = time.perf_counter()
-        samples = self._gathered(step, self.turns, actor)
-        if self.dist.is_main:
-            self._write(step, samples)
-        metrics = self._metrics(samples)
+        t0, metrics = time.perf_counter(), {}
+        for i, (name, held) in enumerate(self.sets.items()):  # the engine synced once, first
+            samples = self._gathered(step, self.turns, held, None if i else actor)
+            if self.dist.is_main:
+                self._write(step, samples, f".{name}" if i else "")
+            prefix = f"eval/{name}/" if i else "eval/"
+            metrics.update({k.replace("eval/", prefix, 1): v
+                            for k, v in self._metrics(samples).items()})
         if self.no_tools is not None:  # same rows, seeds, weights and RNG: only the tools differ
-            bare = self._metrics(self._gathered(step, self.no_tools))
+            first = next(iter(self.sets.values()))
+            bare = self._metrics(self._gathered(step, self.no_tools, first))
             metrics.update({k.replace("eval/", "eval/no_tools/", 1): v for k, v in bare.items()},
                            **{"eval/tool_lift": metrics["eval/score"] - bare["eval/score"]})
         return {**metrics, "time/eval_s": time.perf_counter() - t0}
 
-    def _gathered(self, step: int, turns, actor=None) -> list[dict]:
-        """Every rank's samples in row order, drawn under the RNG seeded for ``step`` (after
-        syncing the engine to ``actor`` when given)."""
+    def _gathered(self, step: int, turns, held: tuple, actor=None) -> list[dict]:
+        """Every rank's samples of ``held`` in row order, drawn under the RNG seeded for ``step``
+        (after syncing the engine to ``actor`` when given)."""
         devices = [self.device] if self.device.type == "cuda" else []
         python_rng = random.getstate()
         try:
@@ -154,26 +168,27 @@ class Evaluator:
                 torch.manual_seed(self.seed + step)
                 if actor is not None and self.own_engine:
                     registry.call(self.collector.sync_weights, actor)
-                local = [s for rows in self.parts for s in self._samples(rows, turns)]
+                data, parts = held  # a set of `sets`: its PromptData, this rank's chunks
+                local = [s for rows in parts for s in self._samples(data, rows, turns)]
         finally:
             random.setstate(python_rng)
         return sorted((s for part in self.dist.gather_object(local) for s in part),
                       key=lambda s: s["row"])
 
-    def _samples(self, rows: list[int], turns) -> list[dict]:
-        """Generate and score one chunk; one plain dict per sample."""
+    def _samples(self, data: PromptData, rows: list[int], turns) -> list[dict]:
+        """Generate and score one chunk of ``data``; one plain dict per sample."""
         collector = self.collector
         if turns is not None:  # seeds by row: the same environments at every evaluation
-            batch = turns.collect(self.data.records(rows), self.seed + rows[0])
+            batch = turns.collect(data.records(rows), self.seed + rows[0])
         else:
-            batch = guards.check_output(registry.call(collector.collect, self.data.texts(rows)),
+            batch = guards.check_output(registry.call(collector.collect, data.texts(rows)),
                                         collector, required=(S.RESPONSE_IDS, S.RESPONSE_MASK,
                                                              S.GROUP_ID, S.FINISHED))
         batch = batch.to(self.device)
-        self.data.attach(batch, rows)
+        data.attach(batch, rows)
         self.rewards.evaluate(batch)
         labels = self.rewards.labels
-        columns = {c: batch_texts(batch, (S.DATA, c)) for c in self.data.columns}
+        columns = {c: batch_texts(batch, (S.DATA, c)) for c in data.columns}
         groups = batch[S.GROUP_ID].tolist()
         score, length = batch[S.SCORE].tolist(), batch[S.RESPONSE_MASK].sum(-1).tolist()
         parts = {k: batch[S.SCORE_PARTS, k].tolist() for k in labels}
@@ -202,9 +217,9 @@ class Evaluator:
             if turns is not None:
                 turns.close()
 
-    def _write(self, step: int, samples: list[dict]) -> None:
+    def _write(self, step: int, samples: list[dict], suffix: str = "") -> None:
         self.samples_dir.mkdir(exist_ok=True)
-        path = self.samples_dir / f"eval-step-{step}.jsonl"
+        path = self.samples_dir / f"eval-step-{step}{suffix}.jsonl"
         try:
             with open(path, "w", encoding="utf-8") as f:
                 for s in samples:

@@ -318,8 +318,7 @@ class MultiTurn:
 
     def _observe(self, c: Row, new: list, turn: int) -> None:
         """Append the template's rendering of ``new`` to the row (cut at the row's budget)."""
-        new = cut_messages(new, self.contract.max_observation_tokens, self.render.encode,
-                           lambda ids: self.render.decode(ids, special=False))
+        new = cut_messages(new, self.contract.max_observation_tokens, self.render)
         text = observation(self.render, c, c.messages[-1]["content"], new, self.eos_text,
                            c.pieces[-1][2])  # the action just taken: did it end with EOS
         ids = self.render.encode(text)
@@ -329,9 +328,8 @@ class MultiTurn:
             text = self.render.decode(ids)
         c.pieces.append(("text", text))
         c.ids += ids
-        c.action += [False] * len(ids)
-        c.turn += [turn] * len(ids)
-        c.logp += [0.0] * len(ids)
+        c.action, c.turn, c.logp = (c.action + [False] * len(ids), c.turn + [turn] * len(ids),
+                                    c.logp + [0.0] * len(ids))
         c.messages += new
 
     def _batch(self, convs: list[Row], n: int) -> TensorDict:

@@ -1,11 +1,14 @@
 """Write the arithmetic example's data: short word problems with their answers, in three
-disjoint splits (no problem text appears in two of them). Deterministic (seed 0):
+disjoint splits (no problem text appears in two of them), and a fourth in new wording.
+Deterministic (seeds 0 and 1):
 
-    python examples/arithmetic/make_data.py     # rewrites train.jsonl, dev.jsonl, test.jsonl here
+    python examples/arithmetic/make_data.py     # rewrites train, dev, test and wording.jsonl here
 
 Each line: ``{"prompt": [chat messages], "answer": int, "kind": str}``. ``train`` (1000 problems)
-is what PPO samples from; ``dev`` (100) is the split the settings were chosen on; ``test`` (200)
-is the held-out split the run evaluates, never looked at while choosing settings.
+is what PPO samples from; ``dev`` (100) is the split the settings are chosen on; ``test`` (200)
+is the held-out split from the same generator (`problem`). ``wording`` (200) holds the same five
+kinds written by another function (`reworded`): other sentences, names, objects, instruction and
+order of the facts, none of `problem`'s phrases; it is never used for training or tuning.
 """
 
 import json
@@ -38,19 +41,55 @@ def problem(rng: random.Random) -> tuple[str, int, str]:
     return f"{name} has {a} {obj}, finds {b} more and then loses {c}. How many {obj} does {name} have?", a + b - c, kind
 
 
+# The new wording's own names, objects and instruction (none of the lists above).
+NEW_INSTRUCTION = "Reply with one number only."
+NEW_NAMES = ["Priya", "Omar", "Kenji", "Sofia", "Ines", "Dmitri", "Amara", "Lucas", "Yara", "Felix"]
+NEW_THINGS = ["seashells", "crayons", "beads", "erasers", "postcards", "buttons", "tickets",
+              "pebbles", "candles", "badges"]
+
+
+def reworded(rng: random.Random) -> tuple[str, int, str]:
+    """One problem of the same five kinds and number ranges as `problem`, in other words: the
+    facts come in another order and no phrase of `problem`'s sentences recurs (a test checks)."""
+    name, other = rng.choice(NEW_NAMES), rng.choice(NEW_NAMES)
+    obj = rng.choice(NEW_THINGS)
+    a, b, c = rng.randint(2, 20), rng.randint(2, 20), rng.randint(1, 9)
+    kind = rng.choice(["add", "add_total", "sub", "mul", "add_sub"])
+    if kind == "add":
+        return f"{other} handed {b} {obj} to {name}, who already owned {a}. What is the number of {obj} {name} owns at this point?", a + b, kind
+    if kind == "add_total":
+        return f"A drawer holds {b} {obj}, while a shelf holds {a}. Counting both places together, what is the number of {obj}?", a + b, kind
+    if kind == "sub":
+        a, b = max(a, b) + c, min(a, b)
+        return f"Out of {a} {obj} that {name} owned, {b} went to {other}. What number of {obj} remains with {name}?", a - b, kind
+    if kind == "mul":
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        return f"Every packet contains {b} {obj}. If {name} picks up {a} packets, what number of {obj} is that altogether?", a * b, kind
+    return f"{name} lost {c} {obj} on the way home, after finding {b} to add to the {a} already at home. What number of {obj} does {name} end up with?", a + b - c, kind
+
+
+def write(path: Path, rows: list[tuple[str, int, str]], instruction: str) -> None:
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{text} {instruction}"}],
+                                        "answer": answer, "kind": kind}) + "\n"
+                            for text, answer, kind in rows))
+    print(f"{path.stem}: {len(rows)} problems -> {path}")
+
+
 def main() -> None:
     rng, seen = random.Random(0), set()
     for split, size in SIZES.items():
         rows = []
         while len(rows) < size:
-            text, answer, kind = problem(rng)
-            if text in seen:
-                continue
-            seen.add(text)
-            messages = [{"role": "user", "content": f"{text} {INSTRUCTION}"}]
-            rows.append({"prompt": messages, "answer": answer, "kind": kind})
-        (HERE / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        print(f"{split}: {len(rows)} problems -> {HERE / f'{split}.jsonl'}")
+            row = problem(rng)
+            if row[0] not in seen:
+                seen.add(row[0])
+                rows.append(row)
+        write(HERE / f"{split}.jsonl", rows, INSTRUCTION)
+    rng, rows = random.Random(1), {}
+    while len(rows) < 200:  # distinct texts, in the order drawn
+        row = reworded(rng)
+        rows.setdefault(row[0], row)
+    write(HERE / "wording.jsonl", list(rows.values()), NEW_INSTRUCTION)
 
 
 if __name__ == "__main__":

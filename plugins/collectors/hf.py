@@ -17,6 +17,9 @@ any processor (EOS suppression, top-k, top-p) changes them; core then skips its 
 With ``ctx.shared_prefix`` (``models.shared_prefix``) the prompt tokens that rows share, a prefix
 common to all or each distinct prompt of ``n`` samples, are prefilled once and ``generate`` gets
 their KV cache (`rlpipe.core.models.lm.generation_cache`): the same logits, fewer prompt tokens run.
+With ``eos_after_stop``, a row that ends on a stop string takes EOS at the next step instead of a
+draw, with its unforced log-probs there (engine and actor, what the trainer's forward computes):
+trained as an action like any other token, it teaches the model to end there.
 
 >>> collector = HFCollector(ctx, max_new_tokens=16, n=4)       # doctest: +SKIP
 >>> batch = collector.collect(["Write a haiku."])               # doctest: +SKIP
@@ -59,6 +62,7 @@ class HFCollector(Collector):
     Args:
         micro_batch_size: prompts per generate call
         cache: dynamic, or static: transformers' static KV cache, compiled on CUDA (performance.md)
+        eos_after_stop: a response that ends on a stop string gets EOS after it, trained as a policy token (the model learns to stop there)
     """
 
     name = "hf"
@@ -67,8 +71,10 @@ class HFCollector(Collector):
                  top_p: Fraction = 1.0, top_k: TopK = 0, n: Count = 1, micro_batch_size: Count = 32,
                  max_prompt_tokens: Count = 256, chat_template: bool = False,
                  stop_strings: list[str] | None = None, min_new_tokens: Tokens = 0,
-                 score_truncated: bool = False, cache: Literal["dynamic", "static"] = "dynamic"):
-        self.check_own_args(micro_batch_size=micro_batch_size, cache=cache)
+                 score_truncated: bool = False, cache: Literal["dynamic", "static"] = "dynamic",
+                 eos_after_stop: bool = False):
+        self.check_own_args(micro_batch_size=micro_batch_size, cache=cache,
+                            eos_after_stop=eos_after_stop)
         super().__init__(ctx, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                          top_k=top_k, n=n, max_prompt_tokens=max_prompt_tokens,
                          chat_template=chat_template, stop_strings=stop_strings,
@@ -80,7 +86,10 @@ class HFCollector(Collector):
                             f"decoding step has not been run on them); use cache: dynamic")
         # prompt tokens rows share: prefilled once (not into a static cache, which starts empty)
         self.shared_prefix = ctx.shared_prefix and cache != "static"
-        self.cache = cache
+        self.cache, self.eos_after_stop = cache, eos_after_stop
+        if eos_after_stop and (min_new_tokens or top_k or top_p < 1 or not self.eos_ids):
+            raise UserError(f"{self.label}: eos_after_stop appends EOS, which min_new_tokens, top_k "
+                            f"and top_p can remove; leave those off (and use a tokenizer with EOS)")
         self.trainer_scoring = None  # (temperature, truncation) after record_actor_log_prob
         # The sampling warpers and the draw are ours (`_warpers`, `_Sampler`): generate runs its
         # greedy loop (do_sample=False adds no warpers) and takes the token our processor drew.
@@ -153,7 +162,7 @@ class HFCollector(Collector):
             prompt_ids = F.pad(prompt_ids, (extra, 0), value=self.pad_id)
             prompt_mask = F.pad(prompt_mask, (extra, 0), value=False)
         prompt_ids, prompt_mask = prompt_ids[:, -width:], prompt_mask[:, -width:]
-        sampled, hidden = _Sampler(draw=self.temperature > 0), []
+        sampled, hidden = _Sampler(self.temperature > 0, self.eos_ids[:1]), []
         scored = [] if self.trainer_scoring is None else [_TrainerLogProb(*self.trainer_scoring)]
         # no_grad, not inference_mode: under FSDP2 the gathered parameters would become
         # inference tensors that the trainer's next all-gather cannot write into. `unsharded`
@@ -167,7 +176,10 @@ class HFCollector(Collector):
                                                                    prompt_mask)
                 width = prompt_ids.shape[1]
             tracker = _EndTracker(width, len(prompt_ids), self.eos_ids, self.stop_strings,
-                                  self.tokenizer, prompt_ids.device, [sampled, *scored])
+                                  self.tokenizer, prompt_ids.device, [sampled, *scored],
+                                  self.eos_after_stop)
+            if self.eos_after_stop:
+                sampled.force = tracker.ending
             with _head_inputs(self.model, hidden if self.keep_hidden else None):
                 out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
                                           generation_config=self.generation_config,
@@ -177,8 +189,9 @@ class HFCollector(Collector):
                                           stopping_criteria=StoppingCriteriaList([tracker]),
                                           **cached)
         new = out[:, width:]
-        finished = tracker.lengths >= 0
-        lengths = torch.where(finished, tracker.lengths, new.shape[1])
+        ends = torch.where(tracker.lengths >= 0, tracker.lengths, tracker.at_stop)  # no room: stop
+        finished = ends >= 0
+        lengths = torch.where(finished, ends, new.shape[1])
         mask = torch.arange(new.shape[1], device=new.device) < lengths[:, None]
         r = int(lengths.max())
         part = {schema.RESPONSE_IDS: new.masked_fill(~mask, self.pad_id)[:, :r],
@@ -244,16 +257,24 @@ class _Sampler(LogitsProcessor):
     """The last logits processor. ``draw``: draws each row's token from the processed scores
     (`sample_from_scores`) and returns a row that is -inf but at that token, so that greedy
     ``generate`` takes it; otherwise (greedy) keeps ``log_softmax`` of the scores. `take` then
-    records the log-prob of the tokens ``generate`` appended."""
+    records the log-prob of the tokens ``generate`` appended. ``force`` (set: a callable giving
+    a [b] bool mask) makes the rows it marks take ``end`` instead, with its log-prob there."""
 
-    def __init__(self, draw: bool):
-        self.draw, self.log_probs, self.taken = draw, None, []
+    def __init__(self, draw: bool, end: list[int] = ()):
+        self.draw, self.log_probs, self.taken, self.end, self.force = draw, None, [], list(end), None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows = None if self.force is None else self.force()
         if not self.draw:
             self.log_probs = torch.log_softmax(scores.float(), dim=-1)
+            if rows is not None and rows.any():
+                scores = scores.masked_fill(rows[:, None], -torch.inf)
+                scores[rows, self.end[0]] = 0.0
             return scores
         tokens, self.log_probs = sample_from_scores(scores)
+        if rows is not None and rows.any():  # the unforced log-prob of the forced token
+            tokens[rows] = self.end[0]
+            self.log_probs[rows] = torch.log_softmax(scores[rows].float(), -1)[:, self.end[0]]
         return torch.full_like(scores, -torch.inf).scatter_(1, tokens[:, None], 0.0)
 
     def take(self, tokens: torch.LongTensor) -> None:
@@ -303,16 +324,18 @@ class _SuppressEnd(LogitsProcessor):
 
 class _EndTracker(StoppingCriteria):
     """Stops a row at its first EOS token or stop string and records ``lengths``: how many new
-    tokens the row had then (EOS / stop tokens included), -1 while it runs. Called after each
-    token is drawn, it also hands the drawn tokens to each of ``takers`` (`_Sampler`,
-    `_TrainerLogProb`: their log-probs)."""
+    tokens the row had then (EOS / stop tokens included), -1 while it runs; ``at_stop``: the
+    same when a stop string ended the text. Called after each token is drawn, it also hands the
+    drawn tokens to each of ``takers`` (`_Sampler`, `_TrainerLogProb`: their log-probs). With
+    ``then_eos`` a stop string does not stop the row: it is `ending` until its EOS comes."""
 
     def __init__(self, prompt_width, batch_size, eos_ids, stop_strings, tokenizer, device,
-                 takers: list):
+                 takers: list, then_eos: bool = False):
         self.prompt_width, self.stop_strings, self.tokenizer = prompt_width, stop_strings, tokenizer
         self.takers = takers
         self.eos_ids = torch.tensor(eos_ids, dtype=torch.long, device=device)
         self.lengths = torch.full((batch_size,), -1, dtype=torch.long, device=device)
+        self.at_stop, self.then_eos = self.lengths.clone(), then_eos
         # A stop string of L characters spans at most 4 L tokens (byte-level tokens: 4 per char).
         self.window = 4 * max(map(len, stop_strings), default=0)
 
@@ -322,13 +345,19 @@ class _EndTracker(StoppingCriteria):
             taker.take(new[:, -1])
         done = torch.isin(new[:, -1], self.eos_ids)
         if self.stop_strings:
-            running = (self.lengths < 0).nonzero().flatten().tolist()
+            running = ((self.lengths < 0) & (self.at_stop < 0)).nonzero().flatten().tolist()
             texts = self.tokenizer.batch_decode(new[running, -self.window:].tolist(),
                                                 skip_special_tokens=True)
             hits = torch.tensor([t.endswith(self.stop_strings) for t in texts], dtype=torch.bool)
-            done[running] |= hits.to(done.device)
+            self.at_stop[running] = torch.where(hits.to(done.device), new.shape[1], -1)
+            if not self.then_eos:
+                done |= self.at_stop >= 0
         self.lengths = torch.where(done & (self.lengths < 0), new.shape[1], self.lengths)
         return self.lengths >= 0
+
+    def ending(self) -> torch.Tensor:
+        """[b] bool: the rows whose text ended on a stop string, still waiting for their EOS."""
+        return (self.at_stop >= 0) & (self.lengths < 0)
 
 
 def _world() -> int:
