@@ -158,9 +158,8 @@ class MultiTurn:
         self.journal: Journal | None = None
         self.render = Renderer(tokenizer, contract.tools)
         self.budget = max_response_tokens
-        eos = collector.eos_ids[0] if collector.eos_ids else None
         self.eos_ids = set(collector.eos_ids)
-        self.eos_text = self.render.decode([eos]) if eos is not None else ""
+        self.eos_text = self.render.decode(collector.eos_ids[:1])   # "" without an EOS token
         check_template(self.render, label)
 
     def collect(self, rows: list[dict], seed: int = 0, step: int | None = None) -> TensorDict:
@@ -328,8 +327,9 @@ class MultiTurn:
             text = self.render.decode(ids)
         c.pieces.append(("text", text))
         c.ids += ids
-        c.action, c.turn, c.logp = (c.action + [False] * len(ids), c.turn + [turn] * len(ids),
-                                    c.logp + [0.0] * len(ids))
+        c.action += [False] * len(ids)
+        c.turn += [turn] * len(ids)
+        c.logp += [0.0] * len(ids)
         c.messages += new
 
     def _batch(self, convs: list[Row], n: int) -> TensorDict:

@@ -23,49 +23,51 @@ THINGS = ["apples", "books", "marbles", "stickers", "cookies", "pencils", "cards
           "stamps", "coins", "balloons", "toy cars"]
 
 
-def problem(rng: random.Random) -> tuple[str, int, str]:
-    """One problem: (text, answer, kind)."""
-    name, other, obj = rng.choice(NAMES), rng.choice(NAMES), rng.choice(THINGS)
-    a, b, c = rng.randint(2, 20), rng.randint(2, 20), rng.randint(1, 9)
-    kind = rng.choice(["add", "add_total", "sub", "mul", "add_sub"])
-    if kind == "add":
-        return f"{name} has {a} {obj}. {other} gives {name} {b} more. How many {obj} does {name} have now?", a + b, kind
-    if kind == "add_total":
-        return f"There are {a} {obj} in a box and {b} {obj} on the table. How many {obj} are there in total?", a + b, kind
-    if kind == "sub":
-        a, b = max(a, b) + c, min(a, b)
-        return f"{name} had {a} {obj} and gave {b} of them to {other}. How many {obj} does {name} have left?", a - b, kind
-    if kind == "mul":
-        a, b = rng.randint(2, 9), rng.randint(2, 9)
-        return f"{name} buys {a} bags with {b} {obj} in each bag. How many {obj} does {name} buy?", a * b, kind
-    return f"{name} has {a} {obj}, finds {b} more and then loses {c}. How many {obj} does {name} have?", a + b - c, kind
+KINDS = ["add", "add_total", "sub", "mul", "add_sub"]
+TEMPLATES = {   # `problem`'s sentences, by kind
+    "add": "{name} has {a} {obj}. {other} gives {name} {b} more. How many {obj} does {name} have now?",
+    "add_total": "There are {a} {obj} in a box and {b} {obj} on the table. How many {obj} are there in total?",
+    "sub": "{name} had {a} {obj} and gave {b} of them to {other}. How many {obj} does {name} have left?",
+    "mul": "{name} buys {a} bags with {b} {obj} in each bag. How many {obj} does {name} buy?",
+    "add_sub": "{name} has {a} {obj}, finds {b} more and then loses {c}. How many {obj} does {name} have?",
+}
 
-
-# The new wording's own names, objects and instruction (none of the lists above).
+# The new wording's own names, objects, instruction and sentences (none of the above).
 NEW_INSTRUCTION = "Reply with one number only."
 NEW_NAMES = ["Priya", "Omar", "Kenji", "Sofia", "Ines", "Dmitri", "Amara", "Lucas", "Yara", "Felix"]
 NEW_THINGS = ["seashells", "crayons", "beads", "erasers", "postcards", "buttons", "tickets",
               "pebbles", "candles", "badges"]
+NEW_TEMPLATES = {   # the facts in another order; no phrase of TEMPLATES recurs (a test checks)
+    "add": "{other} handed {b} {obj} to {name}, who already owned {a}. What is the number of {obj} {name} owns at this point?",
+    "add_total": "A drawer holds {b} {obj}, while a shelf holds {a}. Counting both places together, what is the number of {obj}?",
+    "sub": "Out of {a} {obj} that {name} owned, {b} went to {other}. What number of {obj} remains with {name}?",
+    "mul": "Every packet contains {b} {obj}. If {name} picks up {a} packets, what number of {obj} is that altogether?",
+    "add_sub": "{name} lost {c} {obj} on the way home, after finding {b} to add to the {a} already at home. What number of {obj} does {name} end up with?",
+}
+
+
+def draw(rng: random.Random, names: list, things: list, templates: dict) -> tuple[str, int, str]:
+    """One problem: (text, answer, kind), its facts drawn (the same ranges for every wording),
+    then written with ``templates``."""
+    name, other, obj = rng.choice(names), rng.choice(names), rng.choice(things)
+    a, b, c = rng.randint(2, 20), rng.randint(2, 20), rng.randint(1, 9)
+    kind = rng.choice(KINDS)
+    if kind == "sub":
+        a, b = max(a, b) + c, min(a, b)
+    if kind == "mul":
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+    answer = {"add": a + b, "add_total": a + b, "sub": a - b, "mul": a * b, "add_sub": a + b - c}[kind]
+    return templates[kind].format(name=name, other=other, obj=obj, a=a, b=b, c=c), answer, kind
+
+
+def problem(rng: random.Random) -> tuple[str, int, str]:
+    """One problem of the generator's wording."""
+    return draw(rng, NAMES, THINGS, TEMPLATES)
 
 
 def reworded(rng: random.Random) -> tuple[str, int, str]:
-    """One problem of the same five kinds and number ranges as `problem`, in other words: the
-    facts come in another order and no phrase of `problem`'s sentences recurs (a test checks)."""
-    name, other = rng.choice(NEW_NAMES), rng.choice(NEW_NAMES)
-    obj = rng.choice(NEW_THINGS)
-    a, b, c = rng.randint(2, 20), rng.randint(2, 20), rng.randint(1, 9)
-    kind = rng.choice(["add", "add_total", "sub", "mul", "add_sub"])
-    if kind == "add":
-        return f"{other} handed {b} {obj} to {name}, who already owned {a}. What is the number of {obj} {name} owns at this point?", a + b, kind
-    if kind == "add_total":
-        return f"A drawer holds {b} {obj}, while a shelf holds {a}. Counting both places together, what is the number of {obj}?", a + b, kind
-    if kind == "sub":
-        a, b = max(a, b) + c, min(a, b)
-        return f"Out of {a} {obj} that {name} owned, {b} went to {other}. What number of {obj} remains with {name}?", a - b, kind
-    if kind == "mul":
-        a, b = rng.randint(2, 9), rng.randint(2, 9)
-        return f"Every packet contains {b} {obj}. If {name} picks up {a} packets, what number of {obj} is that altogether?", a * b, kind
-    return f"{name} lost {c} {obj} on the way home, after finding {b} to add to the {a} already at home. What number of {obj} does {name} end up with?", a + b - c, kind
+    """One problem of the same five kinds and number ranges as `problem`, in other words."""
+    return draw(rng, NEW_NAMES, NEW_THINGS, NEW_TEMPLATES)
 
 
 def write(path: Path, rows: list[tuple[str, int, str]], instruction: str) -> None:
