@@ -17,8 +17,8 @@ from tests.test_hf_collector import make_chain_model
 
 
 def oracle_log_probs(model, batch) -> torch.Tensor:
-    """log p(response token | row so far), float64, no cache: [B, R], 0 on padding."""
-    model = copy.deepcopy(model).double()
+    """log p(response token | row so far), float64 on the CPU, no cache: [B, R], 0 on padding."""
+    model, batch = copy.deepcopy(model).double().cpu(), batch.cpu()
     out = torch.zeros(batch[schema.RESPONSE_IDS].shape, dtype=torch.float64)
     for i in range(len(out)):
         prompt = batch[schema.PROMPT_IDS][i][batch[schema.PROMPT_MASK][i]]
@@ -49,7 +49,7 @@ def test_a_stop_string_is_followed_by_eos_with_its_own_log_prob(tiny_model, tiny
     assert oracle[0, 2] < -20 and oracle[1, 3] < -20   # the forced EOS was unlikely, not 0
     # float32 round-off of log-probs whose logits are below 100 in size: well under 1e-4
     for key in (schema.ENGINE_LOG_PROB, schema.ACTOR_LOG_PROB):
-        torch.testing.assert_close(batch[key], oracle, atol=1e-4, rtol=0)
+        torch.testing.assert_close(batch[key].cpu(), oracle, atol=1e-4, rtol=0)
 
 
 def test_a_stop_string_at_the_token_limit_ends_the_row_without_eos(tiny_model, tiny_tokenizer):
