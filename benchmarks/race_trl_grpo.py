@@ -24,7 +24,7 @@ Contestants, each a fresh process, one after the other, the order reversed on ev
   gradient checkpointing), except what a CPU float32 run needs or a race must not spend time on
   (`TRL_COMMON`: ``use_cpu``, ``bf16=False``, no checkpoints, no trackers, a log row per step);
 - ``trl rlpipe settings``: `trl_settings`, the example's settings in GRPOConfig terms (8 prompts x
-  8 completions, 2 optimizer steps each, lr 1e-3 constant, beta 0.05, ``loss_type`` bnpo: a
+  8 completions, 2 optimizer steps each, the example's lr, constant, beta 0.05, ``loss_type`` bnpo: a
   token mean per minibatch, ``scale_rewards`` none for Dr. GRPO, 24 new tokens, the example's
   stop strings and ``eos_after_stop``: EOS after a stop string, trained). Differences that remain: TRL's KL is k3 (the example's is k2), TRL recomputes
   the old log-probs with a forward (rlpipe keeps the sampling pass's).
